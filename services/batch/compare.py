@@ -1,0 +1,48 @@
+"""`run-batch --compare`: run each line again unpruned and print full vs pruned side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from services.batch.runner import BatchSummary
+from shared.llm import LLM
+from shared.serving import respond
+
+
+def _answer(body: dict) -> str:
+    choice = body["choices"][0]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return " ".join(text.split())
+
+
+def compare(llm: LLM, source: Path, summary: BatchSummary, width: int = 60) -> list[dict]:
+    rows = []
+    raws = [raw for raw in source.read_text().splitlines() if raw.strip()]
+    for raw, result in zip(raws, summary.results):
+        if result.error is not None:
+            continue
+        line = json.loads(raw)
+        full = respond(llm, line["url"], dict(line["body"], pruning="off")).model_dump()
+        lazy = result.response.body
+        rows.append(
+            {
+                "custom_id": result.custom_id,
+                "prompt_tokens": lazy["usage"]["prompt_tokens"],
+                "ttft_full_s": full["metrics"]["ttft_s"],
+                "ttft_pruned_s": lazy["metrics"]["ttft_s"],
+                "computed_fraction": lazy["metrics"]["computed_fraction"],
+                "full": _answer(full),
+                "pruned": _answer(lazy),
+            }
+        )
+    for row in rows:
+        speedup = row["ttft_full_s"] / row["ttft_pruned_s"]
+        print(
+            f"\n{row['custom_id']}: {row['prompt_tokens']} prompt tokens | TTFT full {row['ttft_full_s']:.2f} s, "
+            f"pruned {row['ttft_pruned_s']:.2f} s ({speedup:.2f}x) | token-layers computed "
+            f"{row['computed_fraction']:.0%} of full"
+        )
+        print(f"  full  : {row['full'][:width]}")
+        print(f"  pruned: {row['pruned'][:width]}")
+    return rows

@@ -1,0 +1,88 @@
+"""`lazyserve run-batch`: OpenAI Batch API files through the engine, one output line per input line.
+
+A bad line gets an output line with an `error` object and the others still run: nothing is
+dropped. Output order follows input order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+from tqdm import tqdm
+
+from shared.llm import LLM
+from shared.schemas import BatchInputLine, BatchOutputLine, BatchResponse, ErrorBody
+from shared.serving import RequestError, respond, validation_message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchSummary:
+    succeeded: int = 0
+    failed: int = 0
+    results: list[BatchOutputLine] = field(default_factory=list)
+
+
+def _error_line(custom_id, status: int | None, message: str, code: str, param=None) -> BatchOutputLine:
+    error = ErrorBody(message=message, code=code, param=param)
+    response = None
+    if status is not None:
+        response = BatchResponse(
+            status_code=status, request_id=f"req-{uuid.uuid4().hex}", body={"error": error.model_dump()}
+        )
+    return BatchOutputLine(custom_id=custom_id, response=response, error=error)
+
+
+def run_line(llm: LLM, raw: str, pruning_flag: str | dict) -> BatchOutputLine:
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as error:
+        return _error_line(None, None, f"invalid JSON: {error}", "invalid_json")
+    custom_id = data.get("custom_id") if isinstance(data, dict) else None
+    try:
+        line = BatchInputLine.model_validate(data)
+    except ValidationError as error:
+        return _error_line(custom_id, None, f"invalid batch line: {validation_message(error)}", "invalid_line")
+    body = dict(line.body)
+    body.setdefault("pruning", pruning_flag)  # the body's own pruning wins over the flag
+    try:
+        result = respond(llm, line.url, body)
+    except RequestError as error:
+        return _error_line(custom_id, error.status_code, error.message, error.code or "invalid_request", error.param)
+    except Exception as error:  # noqa: BLE001 - one failed line must not stop the batch
+        log.exception("line %s failed", custom_id)
+        return _error_line(custom_id, 500, f"internal error: {type(error).__name__}", "internal_error")
+    response = BatchResponse(status_code=200, request_id=f"req-{uuid.uuid4().hex}", body=result.model_dump())
+    return BatchOutputLine(custom_id=line.custom_id, response=response)
+
+
+def load_pruning_flag(value: str) -> str | dict:
+    if value in ("off", "default"):
+        return value
+    path = Path(value)
+    if not path.exists():
+        raise SystemExit(f"--pruning takes off, default or a JSON file; {value!r} is none of these")
+    return json.loads(path.read_text())
+
+
+def run_batch(llm: LLM, source: Path, target: Path, pruning_flag: str | dict, progress: bool = True) -> BatchSummary:
+    lines = [raw for raw in source.read_text().splitlines() if raw.strip()]
+    summary = BatchSummary()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("w") as out:
+        for raw in tqdm(lines, desc="run-batch", unit="req", disable=not progress):
+            result = run_line(llm, raw, pruning_flag)
+            out.write(result.model_dump_json() + "\n")
+            out.flush()
+            summary.results.append(result)
+            if result.error is None:
+                summary.succeeded += 1
+            else:
+                summary.failed += 1
+    return summary

@@ -1,0 +1,28 @@
+"""The lazyserve engine: LazyLLM prefill and decode over a Llama-family model. No I/O lives here."""
+
+from shared.engine.cache import LazyCache
+from shared.engine.decode import decode_step
+from shared.engine.generate import Generation, SamplingParams, generate, sample, stream
+from shared.engine.model import EngineModel, ModelSpec, UnsupportedModelError
+from shared.engine.prefill import LayerFrame, prefill
+from shared.engine.pruning import OFF, PruneConfig, select
+from shared.engine.stats import Stats
+
+__all__ = [
+    "OFF",
+    "EngineModel",
+    "Generation",
+    "LayerFrame",
+    "LazyCache",
+    "ModelSpec",
+    "PruneConfig",
+    "SamplingParams",
+    "Stats",
+    "UnsupportedModelError",
+    "decode_step",
+    "generate",
+    "prefill",
+    "sample",
+    "select",
+    "stream",
+]

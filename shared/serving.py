@@ -1,0 +1,142 @@
+"""From an OpenAI-format request to an engine call and back: shared by run-batch and the services.
+
+Every way a request can be wrong becomes a RequestError with an HTTP status and a message that
+says what to change; the edges (batch lines, FastAPI handlers, gRPC) translate it once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from shared.engine import PruneConfig, SamplingParams, Stats
+from shared.llm import LLM, Completion
+from shared.schemas import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    Metrics,
+    TextCompletion,
+    Usage,
+)
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+DEFAULT_MAX_TOKENS = 256
+
+
+class RequestError(Exception):
+    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code, self.message, self.param, self.code = status_code, message, param, code
+
+
+def validation_message(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "body"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def parse_request(url: str, body: dict) -> ChatCompletionRequest | CompletionRequest:
+    kinds = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest}
+    if url not in kinds:
+        raise RequestError(404, f"unknown url {url!r}; use {CHAT_URL} or {COMPLETIONS_URL}", param="url")
+    try:
+        return kinds[url].model_validate(body)
+    except ValidationError as error:
+        raise RequestError(400, validation_message(error)) from None
+
+
+@dataclass
+class Prepared:
+    ids: list[int]
+    sampling: SamplingParams
+    pruning: PruneConfig
+    pruning_label: str
+    stop: list[str]
+
+
+def prepare(llm: LLM, request: ChatCompletionRequest | CompletionRequest) -> Prepared:
+    if isinstance(request, ChatCompletionRequest):
+        ids = llm.chat_ids([m.model_dump() for m in request.messages])
+    else:
+        if isinstance(request.prompt, list) and any(not 0 <= t < llm.engine.spec.vocab_size for t in request.prompt):
+            raise RequestError(400, f"prompt token ids must be in [0, {llm.engine.spec.vocab_size})", "prompt")
+        ids = llm.prompt_ids(request.prompt)
+    if not ids:
+        raise RequestError(400, "the prompt is empty", param="prompt")
+    room = llm.max_positions - len(ids)
+    max_tokens = request.requested_max_tokens
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+    if len(ids) + max_tokens > llm.max_positions:
+        raise RequestError(
+            400,
+            f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together {len(ids) + max_tokens}, "
+            f"over the model's context of {llm.max_positions} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    try:
+        pruning = llm.resolve_pruning(request.pruning)
+    except ValueError as error:
+        raise RequestError(400, f"bad pruning config: {error}", param="pruning") from None
+    label = request.pruning if isinstance(request.pruning, str) else "custom"
+    sampling = SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop_token_ids=llm.loaded.stop_token_ids,
+    )
+    return Prepared(ids, sampling, pruning, label, request.stop_strings)
+
+
+def metrics_of(stats: Stats, pruning_label: str) -> Metrics:
+    return Metrics(
+        ttft_s=stats.ttft_s,
+        decode_s=stats.decode_s,
+        token_layers_computed=stats.token_layers_computed,
+        token_layers_full=stats.token_layers_full,
+        computed_fraction=stats.computed_fraction,
+        prefill_token_layers=stats.prefill_token_layers,
+        revived_token_layers=stats.revived_token_layers,
+        kept_per_layer=stats.kept_per_layer,
+        kv_cache_bytes=stats.kv_cache_bytes,
+        aux_cache_bytes=stats.aux_cache_bytes,
+        pruning=pruning_label,
+    )
+
+
+def build_response(
+    llm: LLM, request: ChatCompletionRequest | CompletionRequest, prepared: Prepared, completion: Completion
+) -> ChatCompletion | TextCompletion:
+    stats = completion.generation.stats
+    usage = Usage(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        total_tokens=stats.prompt_tokens + stats.completion_tokens,
+    )
+    metrics = metrics_of(stats, prepared.pruning_label)
+    model = request.model or llm.name
+    if isinstance(request, ChatCompletionRequest):
+        choice = ChatChoice(message=ChatMessageOut(content=completion.text), finish_reason=completion.finish_reason)
+        return ChatCompletion(model=model, choices=[choice], usage=usage, metrics=metrics)
+    choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason)
+    return TextCompletion(model=model, choices=[choice], usage=usage, metrics=metrics)
+
+
+def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
+    """Run one request to completion (no streaming). Raises RequestError for bad input."""
+    request = parse_request(url, body)
+    if request.stream:
+        raise RequestError(400, "stream is not available here", param="stream")
+    prepared = prepare(llm, request)
+    completion = llm.complete(prepared.ids, prepared.sampling, prepared.pruning, prepared.stop)
+    return build_response(llm, request, prepared, completion)
