@@ -59,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--compare", action="store_true", help="also run unpruned and print both side by side")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    bench = sub.add_parser("bench", help="benchmarks: ttft")
+    bench = sub.add_parser("bench", add_help=False, help="benchmarks: ttft (lazyserve bench ttft --help for flags)")
     bench.add_argument("name", choices=["ttft"])
+
+    sub.add_parser("eval", add_help=False, help="the long-context accuracy suite under many pruning schedules (--help for flags)")
     return parser
 
 
@@ -70,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return cmd_bench(args, rest)
+    if args.command == "eval":
+        from bench.evalsuite.harness import main as eval_main
+
+        return eval_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return cmd_run_batch(args)

@@ -1,0 +1,68 @@
+"""The suite's generator and scorers: deterministic, answers really in the prompt, lengths on target."""
+
+import pytest
+
+from bench.evalsuite import scorers
+from bench.evalsuite.tasks import TASKS, make_case, make_suite
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    return smollm2.tokenizer
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_same_seed_same_case(tokenizer, task):
+    assert make_case(tokenizer, task, 1024, 0.5, seed=3) == make_case(tokenizer, task, 1024, 0.5, seed=3)
+    assert make_case(tokenizer, task, 1024, 0.5, seed=3).content != make_case(tokenizer, task, 1024, 0.5, seed=5).content
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("length", [1024, 4096])
+def test_length_within_five_percent(tokenizer, task, length):
+    from bench.evalsuite.tasks import _count
+
+    case = make_case(tokenizer, task, length, 0.5, seed=0)
+    assert abs(_count(tokenizer, case.url, case.content) - length) <= 0.05 * length
+
+
+@pytest.mark.parametrize("task", ["passkey", "multikey", "multidoc", "fewshot"])
+@pytest.mark.parametrize("depth", [0.1, 0.5, 0.9])
+def test_answer_is_in_the_prompt_at_its_depth(tokenizer, task, depth):
+    case = make_case(tokenizer, task, 2048, depth, seed=2)
+    evidence = case.content[case.answer_offset :]
+    # The evidence starts at the recorded offset and holds the answer.
+    line = evidence[: evidence.find("\n", 1) if task == "fewshot" else evidence.find(".") + 1 or None]
+    assert case.answer in (evidence[: evidence.find("Sentiment: ") + 20] if task == "fewshot" else line)
+    # ...at the stated depth of the context (the question at the end does not count).
+    assert abs(case.answer_offset / len(case.content) - depth) < 0.12
+    if task in ("passkey", "multikey", "multidoc"):
+        assert case.content.count(case.answer) >= 1
+
+
+def test_code_answer_is_the_next_source_line(tokenizer):
+    case = make_case(tokenizer, "code", 1024, 0.5, seed=0)
+    assert case.answer and case.answer_offset == len(case.content)
+    assert case.content.endswith("\n")
+
+
+def test_splits_do_not_share_prompts(tokenizer):
+    dev = make_suite(tokenizer, ["passkey"], [1024], "dev", 2)
+    test = make_suite(tokenizer, ["passkey"], [1024], "test", 2)
+    assert {c.split for c in dev} == {"dev"} and {c.split for c in test} == {"test"}
+    assert not {c.content for c in dev} & {c.content for c in test}
+
+
+def test_scorers_on_known_inputs():
+    assert scorers.contains("The pass key is 12345.", "12345") == 1.0
+    assert scorers.contains("I do not know", "12345") == 0.0
+    assert scorers.label(" positive, not negative", "positive", ("positive", "negative")) == 1.0
+    assert scorers.label(" negative", "positive", ("positive", "negative")) == 0.0
+    assert scorers.label(" neutral", "positive", ("positive", "negative")) == 0.0
+    assert scorers.edit_similarity("\nreturn x + 1\nmore", "return x + 1") == 1.0
+    assert scorers.edit_similarity("abcd", "abef") == 0.5
+    assert scorers.rouge_l("a b c d", "a b c d") == 1.0
+    assert scorers.rouge_l("a x c", "a b c") == pytest.approx(2 / 3)
+    assert scorers.rouge_l("x y", "a b") == 0.0
+    assert scorers.prefix_agreement([1, 2, 3, 9], [1, 2, 3, 4]) == 0.75
+    assert scorers.prefix_agreement([5], [1, 2]) == 0.0

@@ -1,0 +1,44 @@
+"""Text generation over the engine: sampling, stop strings, streamed deltas."""
+
+import pytest
+import torch
+
+from shared.engine import OFF, SamplingParams, sample
+from shared.llm import LLM
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    return LLM(smollm2)
+
+
+def test_greedy_and_seeded_sampling():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
+    assert sample(logits, SamplingParams(), None) == 1
+    params = SamplingParams(temperature=1.0, seed=0)
+    draws = [sample(logits, params, torch.Generator().manual_seed(11)) for _ in range(2)]
+    assert draws[0] == draws[1]
+    nucleus = SamplingParams(temperature=1.0, top_p=0.5)
+    generator = torch.Generator().manual_seed(0)
+    assert {sample(logits, nucleus, generator) for _ in range(50)} == {1, 3}
+
+
+def test_stream_deltas_join_to_the_text(llm):
+    ids = llm.chat_ids([{"role": "user", "content": "List three colours."}])
+    from shared.llm import Completion
+
+    completion = Completion()
+    deltas = list(llm.stream_text(ids, SamplingParams(max_new_tokens=20), OFF, None, completion))
+    assert "".join(deltas) == completion.text
+    assert len(deltas) > 3
+    assert completion.generation.stats.completion_tokens == 20
+
+
+def test_stop_string_cuts_the_text(llm):
+    ids = llm.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
+    full = llm.complete(ids, SamplingParams(max_new_tokens=12), OFF)
+    word = full.text.split()[2]
+    cut = llm.complete(ids, SamplingParams(max_new_tokens=12), OFF, stop=[word])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(word)]
+    assert cut.generation.stats.token_layers_full > 0  # stats filled even when stopped early

