@@ -25,7 +25,6 @@ SCHEDULES = {
     "gentle": {"stages": [[8, 0.6], [16, 0.4], [22, 0.25]]},
     "late": {"stages": [[12, 0.4], [18, 0.2]]},
     "mid": {"stages": [[5, 0.5], [11, 0.3], [17, 0.15]]},
-    "early": {"stages": [[3, 0.5], [6, 0.3], [12, 0.15]]},
     "aggressive": {"stages": [[2, 0.3], [6, 0.15], [10, 0.08]]},
     "mid-sinks": {"stages": [[5, 0.5], [11, 0.3], [17, 0.15]], "sink_tokens": 4},
     "mid-block": {"stages": [[5, 0.5], [11, 0.3], [17, 0.15]], "granularity": "block", "block_size": 16},

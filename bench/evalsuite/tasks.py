@@ -173,12 +173,12 @@ def _summary(rng, chars, depth):
 
 
 _BUILDERS = {
-    "passkey": (_passkey, "/v1/chat/completions", 24, "contains"),
-    "multikey": (_multikey, "/v1/chat/completions", 24, "contains"),
-    "multidoc": (_multidoc, "/v1/chat/completions", 24, "contains"),
+    "passkey": (_passkey, "/v1/chat/completions", 16, "contains"),
+    "multikey": (_multikey, "/v1/chat/completions", 16, "contains"),
+    "multidoc": (_multidoc, "/v1/chat/completions", 16, "contains"),
     "fewshot": (_fewshot, "/v1/completions", 3, "label"),
     "code": (_code, "/v1/completions", 24, "edit_similarity"),
-    "summary": (_summary, "/v1/chat/completions", 48, "rouge_vs_full"),
+    "summary": (_summary, "/v1/chat/completions", 32, "rouge_vs_full"),
 }
 
 

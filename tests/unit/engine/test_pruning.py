@@ -140,3 +140,17 @@ def test_computed_fraction_matches_prefill(tiny_llama):
     config = PruneConfig(stages=((1, 0.5), (3, 0.25)))
     cache, _ = prefill(tiny_llama.engine, _ids(tiny_llama), config)
     assert config.computed_fraction(6) == pytest.approx(cache.computed_token_layers / (6 * N))
+
+
+def test_layer_frames_carry_exactly_what_the_cache_holds(tiny_llama):
+    frames = []
+    config = PruneConfig(stages=((1, 0.5), (3, 0.25)))
+    cache, _ = prefill(tiny_llama.engine, _ids(tiny_llama), config, on_layer=frames.append)
+    assert [frame.layer for frame in frames] == list(range(6))
+    for frame in frames:
+        kv = cache.layers[frame.layer]
+        assert torch.equal(frame.positions, kv.positions)
+        assert torch.equal(frame.k, kv.k) and torch.equal(frame.v, kv.v)
+        assert torch.equal(frame.aux_positions, cache.aux[frame.layer].positions)
+        assert torch.equal(frame.aux_hidden, cache.aux[frame.layer].hidden)
+    assert sum(frame.aux_positions.numel() for frame in frames) == N - cache.kept_per_layer[-1]
