@@ -97,6 +97,11 @@ def _converted_folder(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
+def default_model_folder(cache_dir: Path | None = None) -> Path:
+    """The bundled model as a Hugging Face folder (converted on first use)."""
+    return _converted_folder(_bundled_gguf(), cache_dir or default_cache_dir())
+
+
 def tiny_config(kind: str):
     """A small random-weight config of each supported family (tests, benchmarks of the mechanism)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
@@ -153,12 +158,12 @@ def load_model(
     if name in TINY_MODELS:
         hf = build_tiny(name).to(device=device, dtype=torch_dtype)
         try:
-            tokenizer = _load_tokenizer(_converted_folder(_bundled_gguf(), cache_dir))
+            tokenizer = _load_tokenizer(default_model_folder(cache_dir))
         except ModelNotFoundError:
             tokenizer = None
         return LoadedModel(name, EngineModel(hf), tokenizer)
     if name == DEFAULT_MODEL:
-        folder = _converted_folder(_bundled_gguf(), cache_dir)
+        folder = default_model_folder(cache_dir)
     else:
         folder = Path(name)
         if not (folder / "config.json").exists():

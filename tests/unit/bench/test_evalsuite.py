@@ -66,3 +66,21 @@ def test_scorers_on_known_inputs():
     assert scorers.rouge_l("x y", "a b") == 0.0
     assert scorers.prefix_agreement([1, 2, 3, 9], [1, 2, 3, 4]) == 0.75
     assert scorers.prefix_agreement([5], [1, 2]) == 0.0
+
+
+def test_summary_averages_tasks_then_configs():
+    from bench.evalsuite.harness import summarize, table
+
+    def record(task, config, score, ttft, full=4.0):
+        return {"target_tokens": 1024, "task": task, "config": config, "score": score, "fidelity": 1.0,
+                "ttft_s": ttft, "ttft_full_s": full, "computed_fraction": 0.5}
+
+    records = [
+        record("passkey", "off", 1.0, 4.0), record("passkey", "off", 0.0, 4.0), record("code", "off", 0.5, 4.0),
+        record("passkey", "lazy", 1.0, 1.0), record("passkey", "lazy", 1.0, 2.0), record("code", "lazy", 0.0, 2.0),
+    ]
+    rows = {row["config"]: row for row in summarize(records)}
+    assert rows["off"]["accuracy"] == pytest.approx((0.5 + 0.5) / 2)  # each task weighs the same
+    assert rows["lazy"]["accuracy"] == pytest.approx((1.0 + 0.0) / 2)
+    assert rows["lazy"]["ttft_speedup"] == pytest.approx(2.0)  # median of 4x, 2x, 2x
+    assert "+0.0" in table(list(rows.values()))

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from shared.engine import UnsupportedModelError
-from shared.models import ModelNotFoundError, build_tiny, load_model
+from transformers import AutoTokenizer
+
+from shared.models import ModelNotFoundError, build_tiny, default_model_folder, load_model
 
 
 def test_bundled_model_shape(smollm2):
@@ -33,10 +35,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
 def test_local_checkpoint_folder_loads(tmp_path):
     model = build_tiny("tiny-qwen2")
     model.save_pretrained(tmp_path)
-    from shared.models import _converted_folder, _bundled_gguf, default_cache_dir  # the tokenizer to ship with it
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(_converted_folder(_bundled_gguf(), default_cache_dir())).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(default_model_folder()).save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path))
     assert loaded.engine.spec.model_type == "qwen2"
     for name, tensor in model.state_dict().items():
