@@ -132,6 +132,12 @@ def build_response(
     return TextCompletion(model=model, choices=[choice], usage=usage, metrics=metrics)
 
 
+def choice_text(body: dict) -> str:
+    """The generated text of a dumped chat.completion or text_completion body."""
+    choice = body["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
 def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
     """Run one request to completion (no streaming). Raises RequestError for bad input."""
     request = parse_request(url, body)

@@ -35,21 +35,16 @@ QUICK_CONFIGS = ("default", "mid-static", "mid-random")
 QUICK_TASKS = ("passkey", "multikey", "fewshot")
 
 
-def _text(body: dict) -> str:
-    choice = body["choices"][0]
-    return choice["message"]["content"] if "message" in choice else choice["text"]
-
-
 def run_case(llm, case, configs: dict) -> list[dict]:
-    from shared.serving import respond
+    from shared.serving import choice_text, respond
 
     records = []
     full = respond(llm, case.url, case.body() | {"pruning": "off"}).model_dump()
-    full_text = _text(full)
+    full_text = choice_text(full)
     full_tokens = llm.tokenizer(full_text, add_special_tokens=False).input_ids
     for name, pruning in {"off": "off", **configs}.items():
         body = full if name == "off" else respond(llm, case.url, case.body() | {"pruning": pruning}).model_dump()
-        text = _text(body)
+        text = choice_text(body)
         tokens = llm.tokenizer(text, add_special_tokens=False).input_ids
         records.append(
             {

@@ -7,13 +7,11 @@ from pathlib import Path
 
 from services.batch.runner import BatchSummary
 from shared.llm import LLM
-from shared.serving import respond
+from shared.serving import choice_text, respond
 
 
 def _answer(body: dict) -> str:
-    choice = body["choices"][0]
-    text = choice["message"]["content"] if "message" in choice else choice["text"]
-    return " ".join(text.split())
+    return " ".join(choice_text(body).split())
 
 
 def compare(llm: LLM, source: Path, summary: BatchSummary, width: int = 60) -> list[dict]:
