@@ -39,6 +39,31 @@ def cmd_run_batch(args) -> int:
     return 0
 
 
+def _service_overrides(args, names: tuple[str, ...]) -> dict:
+    overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    engine = {k: v for k, v in (("model", args.model), ("threads", args.threads)) if v is not None}
+    if engine:
+        from shared.settings import EngineSettings
+
+        overrides["engine"] = EngineSettings(**engine)
+    return overrides
+
+
+def cmd_decode_worker(args) -> int:
+    from services.decode.main import serve
+    from services.decode.settings import DecodeSettings
+
+    return serve(DecodeSettings(**_service_overrides(args, ("host", "port"))))
+
+
+def cmd_prefill_worker(args) -> int:
+    from services.prefill.main import serve
+    from services.prefill.settings import PrefillSettings
+
+    names = ("host", "port", "num_actors", "num_cpus", "num_gpus", "prefill_resource")
+    return serve(PrefillSettings(**_service_overrides(args, names)), args.ray_address)
+
+
 def cmd_bench(args, rest: list[str]) -> int:
     import importlib
 
@@ -59,8 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--compare", action="store_true", help="also run unpruned and print both side by side")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    bench = sub.add_parser("bench", add_help=False, help="benchmarks: ttft (lazyserve bench ttft --help for flags)")
-    bench.add_argument("name", choices=["ttft"])
+    decode = sub.add_parser("decode-worker", help="serve the gRPC DecodeService (flags override LAZYSERVE_DECODE_*)")
+    prefill = sub.add_parser("prefill-worker", help="start prefill actors on Ray (flags override LAZYSERVE_PREFILL_*)")
+    for service in (decode, prefill):
+        service.add_argument("--model", default=None, help="model name or local checkpoint folder")
+        service.add_argument("--threads", type=int, default=None)
+        service.add_argument("--host", default=None)
+        service.add_argument("--port", type=int, default=None, help="0 picks a free port")
+    prefill.add_argument("--num-actors", type=int, default=None)
+    prefill.add_argument("--num-cpus", type=float, default=None, help="Ray CPUs per actor")
+    prefill.add_argument("--num-gpus", type=float, default=None, help="Ray GPUs per actor")
+    prefill.add_argument("--prefill-resource", type=float, default=None, help="units of the custom `prefill` resource per actor")
+    prefill.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
+
+    bench = sub.add_parser("bench", add_help=False, help="benchmarks: ttft, disagg (lazyserve bench NAME --help for flags)")
+    bench.add_argument("name", choices=["ttft", "disagg"])
 
     sub.add_parser("eval", add_help=False, help="the long-context accuracy suite under many pruning schedules (--help for flags)")
     return parser
@@ -78,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         return eval_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return cmd_run_batch(args)
+    commands = {"run-batch": cmd_run_batch, "decode-worker": cmd_decode_worker, "prefill-worker": cmd_prefill_worker}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,16 @@
 
 from shared.engine.cache import LazyCache
 from shared.engine.decode import decode_step
-from shared.engine.generate import Generation, SamplingParams, generate, sample, stream
+from shared.engine.generate import (
+    Generation,
+    Sampler,
+    SamplingParams,
+    decode_tokens,
+    fill_prefill_stats,
+    generate,
+    sample,
+    stream,
+)
 from shared.engine.model import EngineModel, ModelSpec, UnsupportedModelError
 from shared.engine.prefill import LayerFrame, prefill
 from shared.engine.pruning import OFF, PruneConfig, select
@@ -16,10 +25,13 @@ __all__ = [
     "LazyCache",
     "ModelSpec",
     "PruneConfig",
+    "Sampler",
     "SamplingParams",
     "Stats",
     "UnsupportedModelError",
     "decode_step",
+    "decode_tokens",
+    "fill_prefill_stats",
     "generate",
     "prefill",
     "sample",

@@ -47,6 +47,25 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class Sampler:
+    """`sample` with the request's generator. Its state travels with a KV transfer, so seeded
+    sampling continues on the decode worker exactly where the prefill worker left it."""
+
+    def __init__(self, params: SamplingParams, state: bytes = b""):
+        self.params = params
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+            if state:
+                self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        return sample(logits, self.params, self.generator)
+
+    def state(self) -> bytes:
+        return b"" if self.generator is None else self.generator.get_state().numpy().tobytes()
+
+
 @dataclass
 class Generation:
     tokens: list[int] = field(default_factory=list)
@@ -65,34 +84,48 @@ def fill_cache_stats(stats: Stats, cache: LazyCache, num_layers: int) -> None:
 def decode_tokens(
     model: EngineModel,
     cache: LazyCache,
-    first_logits: torch.Tensor,
+    first_logits: torch.Tensor | None,
     config: PruneConfig,
     params: SamplingParams,
     generation: Generation,
+    sampler: Sampler | None = None,
+    first_token: int | None = None,
 ) -> Iterator[int]:
-    """Sample from first_logits, then decode step by step; yields each token as it is chosen."""
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator().manual_seed(params.seed)
-    stats, logits = generation.stats, first_logits
+    """Sample from first_logits, then decode step by step; yields each token as it is chosen.
+
+    With first_token instead of first_logits, generation resumes after a token sampled elsewhere
+    (a prefill worker): it is recorded but not yielded again.
+    """
+    assert (first_logits is None) != (first_token is None), "give first_logits or first_token"
+    sampler = sampler or Sampler(params)
+    stats = generation.stats
     start = time.perf_counter()
+    token, emit = (sampler(first_logits), True) if first_token is None else (first_token, False)
     try:
         while True:
-            token = sample(logits, params, generator)
             if token in params.stop_token_ids:
                 generation.finish_reason = "stop"
                 return
             generation.tokens.append(token)
             stats.completion_tokens = len(generation.tokens)
-            yield token
+            if emit:
+                yield token
+            emit = True
             if len(generation.tokens) >= params.max_new_tokens:
                 generation.finish_reason = "length"
                 return
-            logits = decode_step(model, cache, token, config)
+            token = sampler(decode_step(model, cache, token, config))
     finally:
         # Also when the consumer stops early (a stop string, a cancelled request).
         stats.decode_s = time.perf_counter() - start
         fill_cache_stats(stats, cache, model.spec.num_layers)
+
+
+def fill_prefill_stats(stats: Stats, cache: LazyCache, ttft_s: float) -> None:
+    stats.ttft_s = ttft_s
+    stats.prompt_tokens = cache.num_prompt
+    stats.prefill_token_layers = cache.computed_token_layers
+    stats.kept_per_layer = list(cache.kept_per_layer)
 
 
 def stream(
@@ -103,11 +136,7 @@ def stream(
     config.check_for(model.spec.num_layers)
     start = time.perf_counter()
     cache, logits = prefill(model, ids, config, reserve=params.max_new_tokens)
-    stats = generation.stats
-    stats.ttft_s = time.perf_counter() - start
-    stats.prompt_tokens = ids.shape[0]
-    stats.prefill_token_layers = cache.computed_token_layers
-    stats.kept_per_layer = list(cache.kept_per_layer)
+    fill_prefill_stats(generation.stats, cache, time.perf_counter() - start)
     yield from decode_tokens(model, cache, logits, config, params, generation)
 
 

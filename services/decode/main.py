@@ -1,0 +1,25 @@
+"""`lazyserve decode-worker`: load the model, serve DecodeService until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+
+from services.decode.server import start_decode_worker
+from services.decode.settings import DecodeSettings
+from shared.lifecycle import wait_for_signal
+from shared.models import load_model
+
+log = logging.getLogger(__name__)
+
+
+def serve(settings: DecodeSettings) -> int:
+    engine = settings.engine
+    engine.apply_threads()
+    loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
+    worker = start_decode_worker(settings, loaded)
+    # One line on stdout that scripts (and tests) wait for; the port may have been picked by the OS.
+    print(f"READY decode {worker.address}", flush=True)
+    wait_for_signal()
+    log.info("stopping decode worker on %s", worker.address)
+    worker.stop()
+    return 0

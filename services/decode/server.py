@@ -1,0 +1,213 @@
+"""The decode worker: a gRPC server that receives KV transfers and generates tokens.
+
+PushKV assembles a transfer (every message validated; a bad stream is refused with
+INVALID_ARGUMENT and dropped, and the worker keeps serving). Generate continues a claimed transfer
+or prefills a short prompt here, then streams tokens from the engine thread. Transfers and
+sequences are freed on completion, on cancellation, and when their lease expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from proto.lazyserve.v1 import lazyserve_pb2 as pb
+from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
+from services.decode.scheduler import FAILED, TOKEN, Scheduler, Sequence
+from services.decode.settings import DecodeSettings
+from services.decode.transfers import TransferTable
+from shared.engine import (
+    Generation,
+    PruneConfig,
+    SamplingParams,
+    Sampler,
+    decode_tokens,
+    fill_prefill_stats,
+    prefill,
+)
+from shared.models import LoadedModel
+from shared.rpc import Cancelled, InvalidArgument, Unavailable, make_server, set_serving
+from shared.transfer import FrameError, TransferAssembler, payload_bytes, pruning_from_pb, sampling_from_pb, stats_to_pb
+from shared.transfer.messages import check_token_ids
+
+log = logging.getLogger(__name__)
+
+SERVICE = "lazyserve.v1.DecodeService"
+
+
+class DecodeServicer(pb_grpc.DecodeServiceServicer):
+    def __init__(self, loaded: LoadedModel, settings: DecodeSettings):
+        self.loaded, self.model = loaded, loaded.engine
+        self.transfers = TransferTable(settings.max_transfers, settings.transfer_timeout_s, settings.claim_timeout_s)
+        self.scheduler = Scheduler(settings.max_sequences)
+
+    # ------------------------------------------------------------------ PushKV
+    def PushKV(self, request_iterator, context):
+        spec = self.model.spec
+        assembler = TransferAssembler(self.loaded.name, spec, self.model.dtype, self.model.device, spec.max_positions)
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise FrameError("a transfer must start with its header")
+        assembler.header(first.header)
+        # From here the table holds the only reference, so an expired lease frees the memory even
+        # while this handler waits for a stalled sender's next message.
+        transfer = self.transfers.begin(first.header.transfer_id, assembler)
+        del assembler
+        try:
+            for message in request_iterator:
+                reply = self._receive(transfer, message)
+                if reply is not None:
+                    return reply
+            self.transfers.check_alive(transfer)
+            raise FrameError(f"transfer {transfer.transfer_id!r} ended without its end message")
+        except BaseException:
+            # Refused, expired or cut off: nothing of it stays.
+            self.transfers.fail(transfer)
+            raise
+
+    def _receive(self, transfer, message: pb.TransferMessage) -> pb.PushKVReply | None:
+        assembler = transfer.assembler  # taken before the check: the reaper may drop it any time
+        self.transfers.check_alive(transfer)
+        kind = message.WhichOneof("kind")
+        if kind == "frame":
+            assembler.frame(message.frame)
+            transfer.bytes_received += sum(payload_bytes(message))
+            return None
+        if kind == "end":
+            self.transfers.complete(transfer, assembler.end(message.end))
+            return pb.PushKVReply(
+                transfer_id=transfer.transfer_id, num_frames=assembler.num_frames, bytes_received=transfer.bytes_received
+            )
+        raise FrameError(f"unexpected {kind or 'empty'} message inside transfer {transfer.transfer_id!r}")
+
+    # ------------------------------------------------------------------ Generate
+    def Generate(self, request, context):
+        sequence = self._sequence(request)
+        context.add_callback(sequence.cancelled.set)  # runs when the call ends, cancelled or not
+        self.scheduler.submit(sequence)
+        while True:
+            tokens, end = [], None
+            kind, value = sequence.outbox.get()
+            while True:
+                if kind == TOKEN:
+                    tokens.append(value)
+                else:
+                    end = (kind, value)
+                    break
+                try:
+                    kind, value = sequence.outbox.get_nowait()
+                except queue.Empty:  # send what has been made so far
+                    break
+            if end is None:
+                yield pb.GenerateResponse(token_ids=tokens)
+                continue
+            kind, detail = end
+            if kind == FAILED:
+                raise Unavailable(detail)
+            if detail == "cancelled":
+                raise Cancelled("generation cancelled")
+            yield pb.GenerateResponse(
+                token_ids=tokens, finish_reason=detail, stats=stats_to_pb(sequence.generation.stats)
+            )
+            return
+
+    def _sequence(self, request: pb.GenerateRequest) -> Sequence:
+        request_id = request.request_id or uuid.uuid4().hex
+        source = request.WhichOneof("source")
+        generation = Generation()
+        if source == "transfer_id":
+            assembled = self.transfers.claim(request.transfer_id)
+            generation.stats = assembled.prefill_stats
+            generation.stats.completion_tokens = 0
+            tokens = decode_tokens(
+                self.model,
+                assembled.cache,
+                None,
+                assembled.config,
+                assembled.params,
+                generation,
+                Sampler(assembled.params, assembled.sampler_state),
+                first_token=assembled.first_token,
+            )
+            return Sequence(request_id, tokens, generation, assembled.cache)
+        if source == "prompt":
+            ids, config, params = self._local_request(request.prompt)
+            sequence = Sequence(request_id, iter(()), generation)
+            sequence.tokens = self._local_tokens(sequence, ids, config, params)
+            return sequence
+        raise InvalidArgument("GenerateRequest needs a transfer_id or a prompt")
+
+    def _local_request(self, prompt: pb.LocalPrompt) -> tuple[torch.Tensor, PruneConfig, SamplingParams]:
+        spec = self.model.spec
+        n = len(prompt.prompt_ids)
+        if n == 0:
+            raise InvalidArgument("prompt_ids is empty")
+        check_token_ids(prompt.prompt_ids, spec.vocab_size, "prompt_ids")
+        config = pruning_from_pb(prompt.pruning, spec.num_layers)
+        params = sampling_from_pb(prompt.sampling, spec.vocab_size)
+        if n + params.max_new_tokens > spec.max_positions:
+            raise InvalidArgument(
+                f"{n} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the context of {spec.max_positions}"
+            )
+        return torch.tensor(list(prompt.prompt_ids), dtype=torch.long), config, params
+
+    def _local_tokens(self, sequence: Sequence, ids: torch.Tensor, config: PruneConfig, params: SamplingParams):
+        """A short prompt prefilled on this worker: no transfer. Runs on the engine thread."""
+        start = time.perf_counter()
+        cache, logits = prefill(self.model, ids, config, reserve=params.max_new_tokens)
+        sequence.cache = cache
+        fill_prefill_stats(sequence.generation.stats, cache, time.perf_counter() - start)
+        yield from decode_tokens(self.model, cache, logits, config, params, sequence.generation)
+
+    # ------------------------------------------------------------------ Status
+    def Status(self, request, context):
+        receiving, ready, transfer_bytes = self.transfers.snapshot()
+        counters = self.transfers.counters
+        return pb.WorkerStatus(
+            model=self.loaded.name,
+            transfers_receiving=receiving,
+            transfers_ready=ready,
+            sequences_active=self.scheduler.num_active,
+            bytes_held=transfer_bytes + self.scheduler.bytes_held(),
+            transfers_completed=counters.completed,
+            transfers_rejected=counters.rejected,
+            transfers_expired=counters.expired,
+            revived_token_layers=self.scheduler.revived_token_layers,
+        )
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.transfers.close()
+
+
+@dataclass
+class DecodeWorker:
+    """A running decode server; `address` is what prefill workers and routers dial."""
+
+    server: grpc.Server
+    servicer: DecodeServicer
+    address: str
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.server.stop(grace).wait()
+        self.servicer.close()
+
+
+def start_decode_worker(settings: DecodeSettings, loaded: LoadedModel) -> DecodeWorker:
+    servicer = DecodeServicer(loaded, settings)
+    server, health = make_server(settings.grpc_workers, max_concurrent_rpcs=settings.grpc_workers - 2)
+    pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    server.start()
+    set_serving(health, [SERVICE])
+    address = f"{settings.advertise_host or settings.host}:{port}"
+    log.info("decode worker serving %s on %s", loaded.name, address)
+    return DecodeWorker(server, servicer, address)

@@ -1,0 +1,25 @@
+"""Decode worker settings: defaults, then LAZYSERVE_DECODE_* environment, then CLI flags.
+
+The engine's own settings (model, device, dtype, threads) are the shared LAZYSERVE_* ones.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.settings import EngineSettings
+
+
+class DecodeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LAZYSERVE_DECODE_", extra="ignore")
+
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    host: str = "127.0.0.1"
+    port: int = Field(50061, ge=0, le=65535, description="0 picks a free port")
+    advertise_host: str | None = Field(None, description="host others reach this worker at; default: host")
+    transfer_timeout_s: float = Field(120.0, gt=0, description="lease: a transfer must complete within this")
+    claim_timeout_s: float = Field(30.0, gt=0, description="lease: a complete transfer must be claimed by Generate within this")
+    max_transfers: int = Field(64, ge=1, description="transfers receiving or waiting at once")
+    max_sequences: int = Field(64, ge=1, description="sequences generating at once")
+    grpc_workers: int = Field(160, ge=4, description="server threads: one per open stream")

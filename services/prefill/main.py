@@ -1,0 +1,25 @@
+"""`lazyserve prefill-worker`: start prefill actors on Ray, keep them until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from services.prefill.actor import actor_addresses, launch_prefill_actors
+from services.prefill.settings import PrefillSettings
+from shared.lifecycle import wait_for_signal
+
+log = logging.getLogger(__name__)
+
+
+def serve(settings: PrefillSettings, ray_address: str | None) -> int:
+    handles = launch_prefill_actors(settings, ray_address)
+    for address in actor_addresses(handles):
+        print(f"READY prefill {address}", flush=True)
+    wait_for_signal()
+    log.info("stopping %d prefill actors", len(handles))
+    for handle in handles:
+        ray.kill(handle)
+    ray.shutdown()
+    return 0

@@ -1,0 +1,32 @@
+"""Prefill worker settings: defaults, then LAZYSERVE_PREFILL_* environment, then CLI flags.
+
+The engine's own settings (model, device, dtype, threads) are the shared LAZYSERVE_* ones.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.settings import EngineSettings
+from shared.transfer import DEFAULT_FRAME_BYTES
+
+
+class PrefillSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LAZYSERVE_PREFILL_", extra="ignore")
+
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port (one per actor)")
+    advertise_host: str | None = Field(None, description="host others reach this worker at; default: host")
+    frame_bytes: int = Field(DEFAULT_FRAME_BYTES, ge=4096, le=4 << 20, description="tensor payload per frame, KV and Aux each")
+    send_queue_layers: int = Field(8, ge=1, description="layers computed ahead of the sender before prefill waits")
+    transfer_timeout_s: float = Field(120.0, gt=0, description="deadline of a transfer when the caller set none")
+    max_concurrent_prefills: int = Field(1, ge=1, description="prefills computing at once; more wait their turn")
+    grpc_workers: int = Field(16, ge=2)
+    # Ray placement of each actor.
+    num_actors: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    prefill_resource: float = Field(0.0, ge=0, description="units of the custom `prefill` resource each actor needs")
+    max_restarts: int = Field(3, ge=-1, description="Ray restarts of a crashed actor; -1: forever")

@@ -1,0 +1,147 @@
+"""The prefill worker: a gRPC PrefillService around the engine's lazy prefill.
+
+Each request's KV goes, layer by layer as it is computed, to the decode worker the caller named;
+the reply (the first token and the stats) comes once that worker holds the whole transfer. This
+module knows nothing of Ray: actor.py hosts it in a Ray actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from proto.lazyserve.v1 import lazyserve_pb2 as pb
+from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
+from services.prefill.sender import KVSender
+from services.prefill.settings import PrefillSettings
+from shared.engine import Sampler, Stats, fill_prefill_stats, prefill
+from shared.models import LoadedModel
+from shared.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, set_serving
+from shared.transfer import end_message, header_message, pruning_from_pb, sampling_from_pb, stats_to_pb
+from shared.transfer.messages import check_token_ids
+
+log = logging.getLogger(__name__)
+
+SERVICE = "lazyserve.v1.PrefillService"
+
+
+@dataclass
+class PrefillCounters:
+    completed: int = 0
+    failed: int = 0  # stopped early: the receiver failed, the caller left, or the deadline passed
+    layers_computed: int = 0  # over all requests, including stopped ones
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    def __init__(self, loaded: LoadedModel, settings: PrefillSettings):
+        self.loaded, self.model, self.settings = loaded, loaded.engine, settings
+        self.counters = PrefillCounters()
+        self._slots = threading.Semaphore(settings.max_concurrent_prefills)
+
+    def Prefill(self, request: pb.PrefillRequest, context):
+        spec = self.model.spec
+        if not request.transfer_id or not request.decode_address:
+            raise InvalidArgument("transfer_id and decode_address are required")
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise InvalidArgument("prompt_ids is empty")
+        check_token_ids(request.prompt_ids, spec.vocab_size, "prompt_ids")
+        config = pruning_from_pb(request.pruning, spec.num_layers)
+        params = sampling_from_pb(request.sampling, spec.vocab_size)
+        if n + params.max_new_tokens > spec.max_positions:
+            raise InvalidArgument(
+                f"{n} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the context of {spec.max_positions}"
+            )
+        timeout = context.time_remaining()
+        timeout = self.settings.transfer_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        self._wait_turn(context, deadline)
+        try:
+            return self._run(request, context, config, params, deadline)
+        finally:
+            self._slots.release()
+
+    def _wait_turn(self, context, deadline: float) -> None:
+        while not self._slots.acquire(timeout=0.05):
+            if not context.is_active():
+                raise Cancelled("the caller went away while waiting for a prefill slot")
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded("the deadline passed while waiting for a prefill slot")
+
+    def _run(self, request, context, config, params, deadline: float) -> pb.PrefillReply:
+        s = self.settings
+        ids = torch.tensor(list(request.prompt_ids), dtype=torch.long)
+        header = header_message(request.transfer_id, self.loaded.name, self.model.spec, self.model.dtype, len(ids))
+        sender = KVSender(request.decode_address, header, s.frame_bytes, s.send_queue_layers, deadline - time.monotonic())
+
+        def on_layer(frame) -> None:
+            if not context.is_active():
+                raise Cancelled("the caller went away")
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded("the deadline passed during prefill")
+            sender.put(frame)
+            self.counters.layers_computed += 1
+
+        try:
+            start = time.perf_counter()
+            cache, logits = prefill(self.model, ids, config, on_layer=on_layer)
+            stats = Stats()
+            fill_prefill_stats(stats, cache, time.perf_counter() - start)
+            stats.token_layers_computed = cache.computed_token_layers
+            stats.token_layers_full = self.model.spec.num_layers * len(ids)
+            stats.kv_cache_bytes, stats.aux_cache_bytes = cache.kv_bytes, cache.aux_bytes
+            del cache  # the decode worker gets its own copy; this one is not needed past here
+            sampler = Sampler(params)
+            first_token = sampler(logits)
+            waited = time.perf_counter()
+            reply = sender.finish(
+                lambda num_frames: end_message(
+                    request.transfer_id, request.prompt_ids, first_token, config, params, sampler.state(), num_frames, stats
+                )
+            )
+            waited = time.perf_counter() - waited
+        except BaseException:
+            sender.abort()
+            self.counters.failed += 1
+            raise
+        self.counters.completed += 1
+        log.debug("prefill %s: %d tokens, %d frames, %d bytes", request.transfer_id, len(ids), reply.num_frames, sender.bytes_sent)
+        return pb.PrefillReply(
+            transfer_id=request.transfer_id,
+            first_token=first_token,
+            stats=stats_to_pb(stats),
+            num_frames=sender.num_frames,
+            kv_bytes_sent=sender.kv_bytes,
+            aux_bytes_sent=sender.aux_bytes,
+            bytes_sent=sender.bytes_sent,
+            transfer_wait_s=waited,
+        )
+
+
+@dataclass
+class PrefillWorker:
+    server: grpc.Server
+    servicer: PrefillServicer
+    address: str
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.server.stop(grace).wait()
+
+
+def start_prefill_worker(settings: PrefillSettings, loaded: LoadedModel) -> PrefillWorker:
+    servicer = PrefillServicer(loaded, settings)
+    server, health = make_server(settings.grpc_workers)
+    pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    server.start()
+    set_serving(health, [SERVICE])
+    address = f"{settings.advertise_host or settings.host}:{port}"
+    log.info("prefill worker serving %s on %s", loaded.name, address)
+    return PrefillWorker(server, servicer, address)

@@ -1,0 +1,145 @@
+"""gRPC plumbing shared by every server and client: errors translated once, health, channel options.
+
+Services raise the exceptions below (or a FrameError); one server interceptor turns them into
+status codes with the message, so handlers never call context.abort themselves. Anything else is
+logged with its traceback here and reaches the client only as INTERNAL with no detail.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shared.transfer.tensors import FrameError
+
+log = logging.getLogger(__name__)
+
+# Frames stay under 4 MiB; the limits leave room for a long prompt's TransferEnd and stats.
+MAX_MESSAGE_BYTES = 16 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class ServiceError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+
+class DownstreamError(ServiceError):
+    """A call to another service failed; its status code is passed on with this message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(ServiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Cancelled(ServiceError):
+    code = grpc.StatusCode.CANCELLED
+
+
+def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(error, FrameError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, ServiceError):
+        return error.code, str(error)
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        # A downstream call failed: pass its status on, saying where it came from.
+        return error.code(), f"downstream: {error.details()}"
+    log.exception("unexpected error in a gRPC handler", exc_info=error)
+    return grpc.StatusCode.INTERNAL, "internal error (see the worker's log)"
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
+        return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
+
+
+def _wrap_unary(behavior):
+    def wrapped(request, context):
+        try:
+            return behavior(request, context)
+        except Exception as error:  # translated at the edge, by design
+            context.abort(*status_of(error))
+
+    return wrapped
+
+
+def _wrap_stream(behavior):
+    def wrapped(request, context):
+        try:
+            yield from behavior(request, context)
+        except Exception as error:  # translated at the edge, by design
+            context.abort(*status_of(error))
+
+    return wrapped
+
+
+def make_server(max_workers: int, max_concurrent_rpcs: int | None = None) -> tuple[grpc.Server, health.HealthServicer]:
+    """A server with the error interceptor, raised message limits and grpc.health.v1 (NOT_SERVING
+    until the caller marks it ready)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[ErrorInterceptor()],
+        options=CHANNEL_OPTIONS,
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    return server, health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, services: list[str]) -> None:
+    for name in ["", *services]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:
+    """True when the server at `address` answers SERVING."""
+    with channel(address) as chan:
+        try:
+            reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,165 @@
+"""The receiving side of a KV transfer: every message checked, then written into a LazyCache.
+
+A transfer is a header, frames in non-decreasing layer order, and an end. Each check failure is a
+FrameError naming what was wrong; the caller drops the partial cache. What is checked: the header
+matches the receiver's model; every frame belongs to this transfer, has a layer in range and in
+order, sorted unique positions inside the prompt, tensors of the model's dtype and shape, and a
+correct checksum; a (token, layer) arrives at most once and only after the token's earlier
+layers; at the end, every token was computed at layer 0, the last token at every layer, and each
+token that stopped early sits in the Aux Cache of the layer it stopped after (so decode can
+revive it). Only then is the cache handed to decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from proto.lazyserve.v1 import lazyserve_pb2 as pb
+from shared.engine import LazyCache, ModelSpec, PruneConfig, SamplingParams, Stats
+from shared.transfer.messages import check_token_ids, pruning_from_pb, sampling_from_pb, stats_from_pb
+from shared.transfer.tensors import FrameError, dtype_name, frame_checksum, tensor_from_pb
+
+MAX_TRANSFER_ID = 128
+SAMPLER_STATE_BYTES = torch.Generator().get_state().numel()
+
+
+@dataclass
+class Assembled:
+    """A complete transfer, ready to decode."""
+
+    cache: LazyCache
+    prompt_ids: list[int]
+    first_token: int
+    config: PruneConfig
+    params: SamplingParams
+    sampler_state: bytes
+    prefill_stats: Stats
+
+
+def _check_positions(positions: torch.Tensor, limit: int, name: str) -> None:
+    if positions.numel() == 0:
+        return
+    if bool((positions[1:] <= positions[:-1]).any()):
+        raise FrameError(f"{name} must be strictly increasing (sorted, unique)")
+    if int(positions[-1]) >= limit:
+        raise FrameError(f"{name}: position {int(positions[-1])} is outside the prompt of {limit} tokens")
+
+
+class TransferAssembler:
+    def __init__(self, model_name: str, spec: ModelSpec, dtype: torch.dtype, device, max_prompt: int):
+        self.model_name, self.spec, self.dtype, self.device = model_name, spec, dtype, device
+        self.max_prompt = max_prompt
+        self.transfer_id: str | None = None
+        self.cache: LazyCache | None = None
+        self.layer = 0
+        self.num_frames = 0
+        self.kept_at_layer = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.cache is None else self.cache.kv_bytes + self.cache.aux_bytes
+
+    def header(self, header: pb.TransferHeader) -> None:
+        if self.transfer_id is not None:
+            raise FrameError("a second header in one transfer")
+        if not 0 < len(header.transfer_id) <= MAX_TRANSFER_ID:
+            raise FrameError(f"transfer_id must have 1 to {MAX_TRANSFER_ID} characters")
+        spec, dtype = self.spec, dtype_name(self.dtype)
+        expected = {
+            "model": self.model_name,
+            "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "hidden_size": spec.hidden_size,
+            "dtype": dtype,
+        }
+        for name, value in expected.items():
+            if getattr(header, name) != value:
+                raise FrameError(f"header {name} is {getattr(header, name)!r}; this worker runs {value!r}")
+        n = header.num_prompt_tokens
+        if not 1 <= n <= self.max_prompt:
+            raise FrameError(f"num_prompt_tokens must be in [1, {self.max_prompt}], got {n}")
+        self.transfer_id = header.transfer_id
+        self.cache = LazyCache.empty(spec, n, 0, self.dtype, self.device)
+
+    def frame(self, frame: pb.KVFrame) -> None:
+        cache, spec = self._started(frame.transfer_id), self.spec
+        if frame.layer >= spec.num_layers:
+            raise FrameError(f"layer {frame.layer} is out of range for a {spec.num_layers}-layer model")
+        if frame.layer < self.layer:
+            raise FrameError(f"layer {frame.layer} after layer {self.layer}: frames must not go back")
+        if frame_checksum(frame) != frame.crc32:
+            raise FrameError(f"checksum mismatch in a frame of layer {frame.layer}")
+        while self.layer < frame.layer:
+            self._close_layer()
+        n, dtype = cache.num_prompt, dtype_name(self.dtype)
+        positions = torch.tensor(frame.positions, dtype=torch.long)
+        aux_positions = torch.tensor(frame.aux_positions, dtype=torch.long)
+        _check_positions(positions, n, "positions")
+        _check_positions(aux_positions, n, "aux_positions")
+        kv_shape = (1, spec.num_kv_heads, positions.shape[0], spec.head_dim)
+        k = tensor_from_pb(frame.k, "k", dtype, kv_shape)
+        v = tensor_from_pb(frame.v, "v", dtype, kv_shape)
+        hidden = tensor_from_pb(frame.aux_hidden, "aux_hidden", dtype, (aux_positions.shape[0], spec.hidden_size))
+        if positions.numel():
+            depth = cache.depth[positions]
+            if bool((depth != frame.layer).any()):
+                bad = int(positions[depth != frame.layer][0])
+                raise FrameError(
+                    f"token {bad} at layer {frame.layer}: it has KV at {int(cache.depth[bad])} layers "
+                    f"(a token-layer twice, or a layer skipped)"
+                )
+        cache.write(frame.layer, positions.to(self.device), k.to(self.device), v.to(self.device))
+        cache.stash(frame.layer, aux_positions.to(self.device), hidden.to(self.device))
+        self.kept_at_layer += positions.shape[0]
+        self.num_frames += 1
+
+    def end(self, end: pb.TransferEnd) -> Assembled:
+        cache, spec = self._started(end.transfer_id), self.spec
+        if end.num_frames != self.num_frames:
+            raise FrameError(f"end says {end.num_frames} frames; {self.num_frames} arrived")
+        while self.layer < spec.num_layers:
+            self._close_layer()
+        n = cache.num_prompt
+        depth = cache.depth[:n]
+        if bool((depth == 0).any()):
+            raise FrameError(f"token {int((depth == 0).nonzero()[0])} was never computed (no KV at layer 0)")
+        if int(depth[n - 1]) != spec.num_layers:
+            raise FrameError("the last prompt token must have KV at every layer")
+        for layer in range(spec.num_layers):
+            stopped = (depth == layer + 1).nonzero().flatten() if layer < spec.num_layers - 1 else depth[:0]
+            stashed = torch.sort(cache.aux[layer].positions.cpu()).values
+            if not torch.equal(stashed, stopped.cpu()):
+                raise FrameError(
+                    f"Aux Cache of layer {layer} must hold exactly the {stopped.numel()} tokens that stop after it; "
+                    f"it holds {stashed.numel()}"
+                )
+        if len(end.prompt_ids) != n:
+            raise FrameError(f"prompt_ids has {len(end.prompt_ids)} tokens; the header announced {n}")
+        check_token_ids(end.prompt_ids, spec.vocab_size, "prompt_ids")
+        check_token_ids([end.first_token], spec.vocab_size, "first_token")
+        config = pruning_from_pb(end.pruning, spec.num_layers)
+        params = sampling_from_pb(end.sampling, spec.vocab_size)
+        if n + params.max_new_tokens > self.max_prompt:
+            raise FrameError(
+                f"{n} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the context of {self.max_prompt}"
+            )
+        if end.sampler_state and (params.seed is None or len(end.sampler_state) != SAMPLER_STATE_BYTES):
+            raise FrameError(f"sampler_state must be empty, or {SAMPLER_STATE_BYTES} bytes with a seed")
+        return Assembled(
+            cache, list(end.prompt_ids), end.first_token, config, params, end.sampler_state, stats_from_pb(end.prefill_stats)
+        )
+
+    def _started(self, transfer_id: str) -> LazyCache:
+        if self.cache is None:
+            raise FrameError("a transfer must start with its header")
+        if transfer_id != self.transfer_id:
+            raise FrameError(f"transfer_id {transfer_id[:MAX_TRANSFER_ID]!r} inside transfer {self.transfer_id!r}")
+        return self.cache
+
+    def _close_layer(self) -> None:
+        self.cache.kept_per_layer.append(self.kept_at_layer)
+        self.kept_at_layer = 0
+        self.layer += 1

@@ -1,0 +1,112 @@
+"""Domain objects <-> protobuf messages, at the edge: protobuf types never enter the engine.
+
+Received parameters are validated here with the same rules as a REST request, and a violation
+is a FrameError whose message says which field was wrong.
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from proto.lazyserve.v1 import lazyserve_pb2 as pb
+from shared.engine import PruneConfig, SamplingParams, Stats
+from shared.transfer.tensors import FrameError
+
+
+def pruning_to_pb(config: PruneConfig) -> pb.PruneConfig:
+    return pb.PruneConfig(
+        mode=config.mode,
+        stages=[pb.Stage(layer=layer, keep_fraction=keep) for layer, keep in config.stages],
+        sink_tokens=config.sink_tokens,
+        granularity=config.granularity,
+        block_size=config.block_size,
+        seed=config.seed,
+    )
+
+
+def pruning_from_pb(message: pb.PruneConfig, num_layers: int) -> PruneConfig:
+    # proto3 cannot tell unset from empty: an empty mode means "off", and an empty granularity or
+    # a zero block size means PruneConfig's default.
+    fields = {
+        "mode": message.mode or "off",
+        "stages": tuple((stage.layer, stage.keep_fraction) for stage in message.stages),
+        "sink_tokens": message.sink_tokens,
+        "granularity": message.granularity or None,
+        "block_size": message.block_size or None,
+        "seed": message.seed,
+    }
+    try:
+        config = PruneConfig(**{name: value for name, value in fields.items() if value is not None})
+        return config.check_for(num_layers)
+    except (ValidationError, ValueError) as error:
+        raise FrameError(f"pruning: {_first_line(error)}") from None
+
+
+def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
+    message = pb.SamplingParams(
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        stop_token_ids=list(params.stop_token_ids),
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    return message
+
+
+def sampling_from_pb(message: pb.SamplingParams, vocab_size: int) -> SamplingParams:
+    if message.max_new_tokens < 1:
+        raise FrameError(f"sampling.max_new_tokens must be >= 1, got {message.max_new_tokens}")
+    if not message.temperature >= 0.0:  # also refuses NaN
+        raise FrameError(f"sampling.temperature must be >= 0, got {message.temperature}")
+    top_p = message.top_p or 1.0  # unset (0) means no nucleus cut
+    if not 0.0 < top_p <= 1.0:
+        raise FrameError(f"sampling.top_p must be in (0, 1], got {message.top_p}")
+    check_token_ids(message.stop_token_ids, vocab_size, "sampling.stop_token_ids")
+    return SamplingParams(
+        max_new_tokens=message.max_new_tokens,
+        temperature=message.temperature,
+        top_p=top_p,
+        seed=message.seed if message.HasField("seed") else None,
+        stop_token_ids=tuple(message.stop_token_ids),
+    )
+
+
+def check_token_ids(ids, vocab_size: int, name: str) -> None:
+    bad = [token for token in ids if token >= vocab_size]
+    if bad:
+        raise FrameError(f"{name}: token id {bad[0]} is outside the vocabulary of {vocab_size}")
+
+
+STAT_FIELDS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "ttft_s",
+    "decode_s",
+    "prefill_token_layers",
+    "token_layers_computed",
+    "token_layers_full",
+    "revived_token_layers",
+    "kv_cache_bytes",
+    "aux_cache_bytes",
+)
+
+
+def stats_to_pb(stats: Stats) -> pb.GenerationStats:
+    message = pb.GenerationStats(**{name: getattr(stats, name) for name in STAT_FIELDS})
+    message.kept_per_layer.extend(stats.kept_per_layer)
+    return message
+
+
+def stats_from_pb(message: pb.GenerationStats) -> Stats:
+    stats = Stats(**{name: getattr(message, name) for name in STAT_FIELDS})
+    stats.kept_per_layer = list(message.kept_per_layer)
+    return stats
+
+
+def _first_line(error: Exception) -> str:
+    if isinstance(error, ValidationError):
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return f"{where}: {first['msg']}" if where else first["msg"]
+    return str(error).splitlines()[0]

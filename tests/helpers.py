@@ -1,0 +1,35 @@
+"""Helpers shared by tests: real text prompts, a KV transfer encoded from a real prefill."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine import PruneConfig, SamplingParams, Stats, prefill
+from shared.transfer import end_message, frame_messages, header_message
+
+
+def text_ids(loaded, chars: int = 2000, topic: str = "assignment") -> list[int]:
+    """Real English text from CPython's docs, tokenized: pruning and revival behave as on real prompts."""
+    from pydoc_data.topics import topics
+
+    return loaded.tokenizer(topics[topic][:chars]).input_ids
+
+
+def random_ids(loaded, n: int, seed: int = 1) -> list[int]:
+    vocab = loaded.engine.spec.vocab_size
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def encode_transfer(
+    loaded, ids: list[int], config: PruneConfig, params: SamplingParams, transfer_id: str = "t1", budget: int = 1 << 20
+):
+    """(cache, messages): the in-process prefill's cache and the transfer a prefill worker would send."""
+    model = loaded.engine
+    frames = []
+    cache, logits = prefill(model, torch.tensor(ids), config, on_layer=frames.append)
+    messages = [header_message(transfer_id, loaded.name, model.spec, model.dtype, len(ids))]
+    for frame in frames:
+        messages += frame_messages(transfer_id, frame, budget)
+    first = int(logits.argmax())
+    messages.append(end_message(transfer_id, ids, first, config, params, b"", len(messages) - 1, Stats()))
+    return cache, messages

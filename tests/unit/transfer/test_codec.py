@@ -1,0 +1,215 @@
+"""KV transfer codec: what the sender encodes, the assembler rebuilds exactly; anything else is refused
+with a FrameError that says what was wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from proto.lazyserve.v1 import lazyserve_pb2 as pb
+from helpers import encode_transfer, random_ids
+from shared.engine import PruneConfig, SamplingParams
+from shared.transfer import FrameError, TransferAssembler
+from shared.transfer.tensors import frame_checksum
+
+CONFIG = PruneConfig(stages=((1, 0.5), (3, 0.25)))
+N = 96
+
+
+def _encode(loaded, config=CONFIG, budget=1 << 20, params=SamplingParams(max_new_tokens=4)):
+    return encode_transfer(loaded, random_ids(loaded, N), config, params, budget=budget)
+
+
+def _assemble(loaded, messages):
+    model = loaded.engine
+    assembler = TransferAssembler(loaded.name, model.spec, model.dtype, model.device, model.spec.max_positions)
+    result = None
+    for message in messages:
+        kind = message.WhichOneof("kind")
+        if kind == "header":
+            assembler.header(message.header)
+        elif kind == "frame":
+            assembler.frame(message.frame)
+        else:
+            result = assembler.end(message.end)
+    return result
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 2048], ids=["one-frame-per-layer", "chunked"])
+def test_assembled_cache_equals_the_senders(tiny_llama, budget):
+    cache, messages = _encode(tiny_llama, budget=budget)
+    if budget == 2048:
+        assert len(messages) > 2 + 2 * tiny_llama.engine.spec.num_layers  # layers really span several frames
+    got = _assemble(tiny_llama, messages).cache
+    for mine, theirs in zip(got.layers, cache.layers):
+        assert torch.equal(mine.positions, theirs.positions)
+        assert torch.equal(mine.k, theirs.k) and torch.equal(mine.v, theirs.v)
+    for mine, theirs in zip(got.aux, cache.aux):
+        assert torch.equal(mine.positions, theirs.positions)
+        assert torch.equal(mine.hidden, theirs.hidden)
+    assert torch.equal(got.depth[:N], cache.depth[:N])
+    assert got.kept_per_layer == cache.kept_per_layer
+    assert got.computed_token_layers == cache.computed_token_layers
+
+
+def test_frames_stay_under_the_budget(smollm2):
+    budget = 1 << 20
+    _, messages = _encode(smollm2, config=PruneConfig(mode="off"), budget=budget)
+    for message in messages[1:-1]:
+        frame = message.frame
+        assert len(frame.k.data) + len(frame.v.data) <= budget
+        assert len(frame.aux_hidden.data) <= budget
+        assert message.ByteSize() < 4 << 20
+
+
+def _frame(messages, layer, nth=0):
+    return [m.frame for m in messages if m.WhichOneof("kind") == "frame" and m.frame.layer == layer][nth]
+
+
+def _reseal(frame):
+    frame.crc32 = frame_checksum(frame)
+
+
+def _shuffle_positions(frame):
+    frame.positions[0], frame.positions[1] = frame.positions[1], frame.positions[0]
+    _reseal(frame)
+
+
+def _position_outside(frame):
+    frame.positions[-1] = N + 5
+    _reseal(frame)
+
+
+def _truncate_k(frame):
+    frame.k.data = frame.k.data[:-4]
+    _reseal(frame)
+
+
+def _wrong_shape(frame):
+    frame.k.shape[1] += 1
+    _reseal(frame)
+
+
+def _wrong_dtype(frame):
+    frame.v.dtype = "float16"
+    _reseal(frame)
+
+
+def _flip_bit(frame):
+    data = bytearray(frame.k.data)
+    data[7] ^= 1
+    frame.k.data = bytes(data)
+
+
+def _layer_out_of_range(frame):
+    frame.layer = 99
+
+
+def _foreign_transfer(frame):
+    frame.transfer_id = "someone-else"
+
+
+CORRUPTIONS = {
+    "unsorted positions": (2, _shuffle_positions, "strictly increasing"),
+    "position outside the prompt": (0, _position_outside, "outside the prompt"),
+    "byte count": (0, _truncate_k, "bytes, expected"),
+    "shape": (1, _wrong_shape, "shape"),
+    "dtype": (1, _wrong_dtype, "dtype"),
+    "checksum": (3, _flip_bit, "checksum"),
+    "layer out of range": (5, _layer_out_of_range, "out of range"),
+    "foreign transfer_id": (2, _foreign_transfer, "transfer_id"),
+}
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_corrupt_frame_is_refused(tiny_llama, name):
+    layer, corrupt, reason = CORRUPTIONS[name]
+    _, messages = _encode(tiny_llama)
+    corrupt(_frame(messages, layer))
+    with pytest.raises(FrameError, match=reason):
+        _assemble(tiny_llama, messages)
+
+
+def test_frames_out_of_layer_order_are_refused(tiny_llama):
+    _, messages = _encode(tiny_llama)
+    swapped = messages[:2] + [messages[3], messages[2]] + messages[4:]
+    with pytest.raises(FrameError, match="layer skipped"):
+        _assemble(tiny_llama, swapped)
+    back = messages[:4] + [messages[2]] + messages[4:]
+    with pytest.raises(FrameError, match="must not go back"):
+        _assemble(tiny_llama, back)
+
+
+def test_a_token_layer_sent_twice_is_refused(tiny_llama):
+    _, messages = _encode(tiny_llama)
+    messages.insert(2, messages[1])
+    with pytest.raises(FrameError, match="a token-layer twice"):
+        _assemble(tiny_llama, messages)
+
+
+def test_a_missing_layer_is_refused(tiny_llama):
+    _, messages = _encode(tiny_llama)
+    del messages[2]  # layer 1's frame
+    messages[-1].end.num_frames -= 1
+    with pytest.raises(FrameError, match="layer skipped"):
+        _assemble(tiny_llama, messages)
+
+
+def test_a_missing_aux_entry_is_refused(tiny_llama):
+    _, messages = _encode(tiny_llama)
+    frame = _frame(messages, 1)
+    assert len(frame.aux_positions) > 0
+    del frame.aux_positions[0]
+    frame.aux_hidden.shape[0] -= 1
+    row = len(frame.aux_hidden.data) // (frame.aux_hidden.shape[0] + 1)
+    frame.aux_hidden.data = frame.aux_hidden.data[row:]
+    _reseal(frame)
+    with pytest.raises(FrameError, match="Aux Cache of layer 1"):
+        _assemble(tiny_llama, messages)
+
+
+def test_frame_count_mismatch_is_refused(tiny_llama):
+    _, messages = _encode(tiny_llama)
+    messages[-1].end.num_frames += 1
+    with pytest.raises(FrameError, match="frames; .* arrived"):
+        _assemble(tiny_llama, messages)
+
+
+def test_a_model_that_does_not_match_is_refused(tiny_llama, smollm2):
+    _, messages = _encode(tiny_llama)
+    with pytest.raises(FrameError, match="header model"):
+        _assemble(smollm2, messages)
+    messages[0].header.model = smollm2.name
+    with pytest.raises(FrameError, match="num_layers"):
+        _assemble(smollm2, messages)
+
+
+@pytest.mark.parametrize(
+    "edit, reason",
+    [
+        (lambda end: end.prompt_ids.__setitem__(0, 10**6), "outside the vocabulary"),
+        (lambda end: end.prompt_ids.pop(), "prompt_ids has"),
+        (lambda end: setattr(end, "first_token", 10**6), "first_token"),
+        (lambda end: end.pruning.stages.add(layer=5, keep_fraction=0.1), "pruning"),
+        (lambda end: setattr(end.pruning, "mode", "sometimes"), "pruning"),
+        (lambda end: setattr(end.sampling, "top_p", 1.5), "top_p"),
+        (lambda end: setattr(end.sampling, "max_new_tokens", 0), "max_new_tokens"),
+        (lambda end: setattr(end.sampling, "temperature", float("nan")), "temperature"),
+        (lambda end: setattr(end, "sampler_state", b"x" * 10), "sampler_state"),
+    ],
+    ids=["prompt id", "prompt length", "first token", "stage layer", "mode", "top_p", "max_new_tokens", "nan", "sampler"],
+)
+def test_bad_end_is_refused(tiny_llama, edit, reason):
+    _, messages = _encode(tiny_llama)
+    edit(messages[-1].end)
+    with pytest.raises(FrameError, match=reason):
+        _assemble(tiny_llama, messages)
+
+
+def test_a_stream_must_start_with_its_header(tiny_llama):
+    _, messages = _encode(tiny_llama)
+    with pytest.raises(FrameError, match="header"):
+        _assemble(tiny_llama, messages[1:])
+    bad = pb.TransferMessage(header=pb.TransferHeader(transfer_id="x" * 500))
+    with pytest.raises(FrameError, match="transfer_id"):
+        _assemble(tiny_llama, [bad])
