@@ -64,6 +64,14 @@ def cmd_prefill_worker(args) -> int:
     return serve(PrefillSettings(**_service_overrides(args, names)), args.ray_address)
 
 
+def cmd_gateway(args) -> int:
+    from services.router.main import serve
+    from services.router.settings import GatewaySettings
+
+    names = ("host", "port", "prefill_workers", "decode_workers", "routing", "local_threshold", "redis_url")
+    return serve(GatewaySettings(**_service_overrides(args, names)))
+
+
 def cmd_bench(args, rest: list[str]) -> int:
     import importlib
 
@@ -97,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--prefill-resource", type=float, default=None, help="units of the custom `prefill` resource per actor")
     prefill.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
 
+    gateway = sub.add_parser("gateway", help="serve the OpenAI-compatible REST API (flags override LAZYSERVE_GATEWAY_*)")
+    gateway.add_argument("--model", default=None)
+    gateway.add_argument("--threads", type=int, default=None)
+    gateway.add_argument("--host", default=None)
+    gateway.add_argument("--port", type=int, default=None)
+    gateway.add_argument("--prefill-workers", default=None, help="static mode: comma-separated host:port list")
+    gateway.add_argument("--decode-workers", default=None, help="static mode: comma-separated host:port list")
+    gateway.add_argument("--routing", choices=["length", "round_robin"], default=None)
+    gateway.add_argument("--local-threshold", type=int, default=None, help="prompts shorter than this skip the transfer")
+    gateway.add_argument("--redis-url", default=None, help="registered workers and shared load in Redis")
+
     bench = sub.add_parser("bench", add_help=False, help="benchmarks: ttft, disagg (lazyserve bench NAME --help for flags)")
     bench.add_argument("name", choices=["ttft", "disagg"])
 
@@ -116,7 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         return eval_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    commands = {"run-batch": cmd_run_batch, "decode-worker": cmd_decode_worker, "prefill-worker": cmd_prefill_worker}
+    commands = {
+        "run-batch": cmd_run_batch,
+        "decode-worker": cmd_decode_worker,
+        "prefill-worker": cmd_prefill_worker,
+        "gateway": cmd_gateway,
+    }
     return commands[args.command](args)
 
 

@@ -1,6 +1,6 @@
-"""Text in, text out over the engine: chat templates, tokenization, stop strings, streamed deltas.
+"""Text in, text out over the in-process engine: a TextModel plus the weights.
 
-The engine sees token ids only; this module owns the tokenizer side.
+The engine sees token ids only; the text side (tokenizer, template, stop strings) is shared.text.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from shared.engine import Generation, PruneConfig, SamplingParams, stream
-from shared.engine.pruning import default_pruning
 from shared.models import LoadedModel
+from shared.text import Detokenizer, TextModel
 
 
 @dataclass
@@ -23,37 +23,13 @@ class Completion:
         return self.generation.finish_reason
 
 
-class LLM:
+class LLM(TextModel):
     def __init__(self, loaded: LoadedModel):
         if loaded.tokenizer is None:
             raise ValueError(f"model {loaded.name} has no tokenizer; text requests need one")
+        super().__init__(loaded.name, loaded.tokenizer, loaded.engine.spec, loaded.stop_token_ids)
         self.loaded = loaded
         self.engine = loaded.engine
-        self.tokenizer = loaded.tokenizer
-        self.name = loaded.name
-        self.default_pruning = default_pruning(self.engine.spec.num_layers)
-
-    @property
-    def max_positions(self) -> int:
-        return self.engine.spec.max_positions
-
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            return list(prompt)
-        return self.tokenizer(prompt).input_ids
-
-    def resolve_pruning(self, pruning: str | PruneConfig) -> PruneConfig:
-        if pruning == "off":
-            config = PruneConfig(mode="off")
-        elif pruning == "default":
-            config = self.default_pruning
-        else:
-            config = pruning
-        return config.check_for(self.engine.spec.num_layers)
 
     def stream_text(
         self,
@@ -65,30 +41,22 @@ class LLM:
     ) -> Iterator[str]:
         """Yield text deltas as tokens come; `completion` holds the final text and stats."""
         completion = completion if completion is not None else Completion()
-        stop = stop or []
-        hold = max((len(s) for s in stop), default=0)
-        emitted = 0
+        detokenizer = Detokenizer(self.tokenizer, stop)
         tokens = stream(self.engine, ids, pruning, sampling, completion.generation)
-        for _ in tokens:
-            text = self.tokenizer.decode(completion.generation.tokens, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-            if cut >= 0:
-                completion.text = text[:cut]
+        for token in tokens:
+            delta = detokenizer.add([token])
+            completion.text = detokenizer.text
+            if detokenizer.stopped:
                 completion.generation.finish_reason = "stop"
                 tokens.close()  # runs the generator's cleanup, so stats are filled
-                if cut > emitted:
-                    yield text[emitted:cut]
+                if delta:
+                    yield delta
                 return
-            completion.text = text
-            # Hold back what may be the start of a stop string, or half of a multi-byte character.
-            safe = len(text) - max(hold - 1, 0)
-            if text.endswith("\ufffd"):
-                safe = min(safe, len(text) - 1)
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-        if len(completion.text) > emitted:
-            yield completion.text[emitted:]
+            if delta:
+                yield delta
+        completion.text = detokenizer.text
+        if rest := detokenizer.flush():
+            yield rest
 
     def complete(self, ids, sampling, pruning, stop=None) -> Completion:
         completion = Completion()

@@ -46,12 +46,9 @@ class LoadedModel:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        ids = self.engine.hf.generation_config.eos_token_id
-        if ids is None and self.tokenizer is not None:
-            ids = self.tokenizer.eos_token_id
-        if ids is None:
-            return ()
-        return tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
+        from shared.text import stop_ids_of
+
+        return stop_ids_of(self.engine.hf.generation_config.eos_token_id, self.tokenizer)
 
 
 def default_cache_dir() -> Path:

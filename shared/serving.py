@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from shared.engine import PruneConfig, SamplingParams, Stats
-from shared.llm import LLM, Completion
+from shared.llm import LLM
 from shared.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -23,6 +23,7 @@ from shared.schemas import (
     TextCompletion,
     Usage,
 )
+from shared.text import TextModel
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -62,12 +63,12 @@ class Prepared:
     stop: list[str]
 
 
-def prepare(llm: LLM, request: ChatCompletionRequest | CompletionRequest) -> Prepared:
+def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) -> Prepared:
     if isinstance(request, ChatCompletionRequest):
         ids = llm.chat_ids([m.model_dump() for m in request.messages])
     else:
-        if isinstance(request.prompt, list) and any(not 0 <= t < llm.engine.spec.vocab_size for t in request.prompt):
-            raise RequestError(400, f"prompt token ids must be in [0, {llm.engine.spec.vocab_size})", "prompt")
+        if isinstance(request.prompt, list) and any(not 0 <= t < llm.vocab_size for t in request.prompt):
+            raise RequestError(400, f"prompt token ids must be in [0, {llm.vocab_size})", "prompt")
         ids = llm.prompt_ids(request.prompt)
     if not ids:
         raise RequestError(400, "the prompt is empty", param="prompt")
@@ -93,7 +94,7 @@ def prepare(llm: LLM, request: ChatCompletionRequest | CompletionRequest) -> Pre
         temperature=request.temperature,
         top_p=request.top_p,
         seed=request.seed,
-        stop_token_ids=llm.loaded.stop_token_ids,
+        stop_token_ids=llm.stop_token_ids,
     )
     return Prepared(ids, sampling, pruning, label, request.stop_strings)
 
@@ -114,21 +115,28 @@ def metrics_of(stats: Stats, pruning_label: str) -> Metrics:
     )
 
 
-def build_response(
-    llm: LLM, request: ChatCompletionRequest | CompletionRequest, prepared: Prepared, completion: Completion
-) -> ChatCompletion | TextCompletion:
-    stats = completion.generation.stats
-    usage = Usage(
+def usage_of(stats: Stats) -> Usage:
+    return Usage(
         prompt_tokens=stats.prompt_tokens,
         completion_tokens=stats.completion_tokens,
         total_tokens=stats.prompt_tokens + stats.completion_tokens,
     )
-    metrics = metrics_of(stats, prepared.pruning_label)
-    model = request.model or llm.name
+
+
+def build_response(
+    model: str,
+    request: ChatCompletionRequest | CompletionRequest,
+    prepared: Prepared,
+    text: str,
+    finish_reason: str,
+    stats: Stats,
+) -> ChatCompletion | TextCompletion:
+    usage, metrics = usage_of(stats), metrics_of(stats, prepared.pruning_label)
+    model = request.model or model
     if isinstance(request, ChatCompletionRequest):
-        choice = ChatChoice(message=ChatMessageOut(content=completion.text), finish_reason=completion.finish_reason)
+        choice = ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish_reason)
         return ChatCompletion(model=model, choices=[choice], usage=usage, metrics=metrics)
-    choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason)
+    choice = CompletionChoice(text=text, finish_reason=finish_reason)
     return TextCompletion(model=model, choices=[choice], usage=usage, metrics=metrics)
 
 
@@ -145,4 +153,5 @@ def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
         raise RequestError(400, "stream is not available here", param="stream")
     prepared = prepare(llm, request)
     completion = llm.complete(prepared.ids, prepared.sampling, prepared.pruning, prepared.stop)
-    return build_response(llm, request, prepared, completion)
+    stats = completion.generation.stats
+    return build_response(llm.name, request, prepared, completion.text, completion.finish_reason, stats)

@@ -8,6 +8,7 @@ from services.decode.server import start_decode_worker
 from services.decode.settings import DecodeSettings
 from shared.lifecycle import wait_for_signal
 from shared.models import load_model
+from shared.registry import Heartbeat, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -18,8 +19,14 @@ def serve(settings: DecodeSettings) -> int:
     loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
     worker = start_decode_worker(settings, loaded)
     # One line on stdout that scripts (and tests) wait for; the port may have been picked by the OS.
+    heartbeat = None
+    if settings.redis_url:
+        info = WorkerInfo(role="decode", address=worker.address, model=loaded.name, capacity=settings.max_sequences)
+        heartbeat = Heartbeat(settings.redis_url, info, settings.heartbeat_ttl_s)
     print(f"READY decode {worker.address}", flush=True)
     wait_for_signal()
     log.info("stopping decode worker on %s", worker.address)
+    if heartbeat is not None:
+        heartbeat.stop()
     worker.stop()
     return 0

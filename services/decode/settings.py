@@ -5,7 +5,7 @@ The engine's own settings (model, device, dtype, threads) are the shared LAZYSER
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.settings import EngineSettings
@@ -18,6 +18,10 @@ class DecodeSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(50061, ge=0, le=65535, description="0 picks a free port")
     advertise_host: str | None = Field(None, description="host others reach this worker at; default: host")
+    redis_url: str | None = Field(
+        None, validation_alias=AliasChoices("redis_url", "LAZYSERVE_REDIS_URL"), description="register here (multi-host mode)"
+    )
+    heartbeat_ttl_s: float = Field(3.0, gt=0, description="registration TTL; refreshed every third of it")
     transfer_timeout_s: float = Field(120.0, gt=0, description="lease: a transfer must complete within this")
     claim_timeout_s: float = Field(30.0, gt=0, description="lease: a complete transfer must be claimed by Generate within this")
     max_transfers: int = Field(64, ge=1, description="transfers receiving or waiting at once")

@@ -24,12 +24,22 @@ class PrefillActor:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         settings = PrefillSettings.model_validate_json(settings_json)
         engine = settings.engine
+        if settings.reset_niceness:
+            _reset_niceness()
         # Ray sets OMP_NUM_THREADS to the actor's CPUs; an explicit setting wins.
         import torch
 
         torch.set_num_threads(engine.threads or max(1, int(settings.num_cpus)))
         loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
         self.worker = start_prefill_worker(settings, loaded)
+        self.heartbeat = None
+        if settings.redis_url:
+            from shared.registry import Heartbeat, WorkerInfo
+
+            info = WorkerInfo(
+                role="prefill", address=self.worker.address, model=loaded.name, capacity=settings.max_concurrent_prefills
+            )
+            self.heartbeat = Heartbeat(settings.redis_url, info, settings.heartbeat_ttl_s)
 
     def address(self) -> str:
         return self.worker.address
@@ -41,6 +51,17 @@ class PrefillActor:
         from dataclasses import asdict
 
         return asdict(self.worker.servicer.counters)
+
+
+def _reset_niceness() -> None:
+    """Ray starts workers at nice 15 so its own daemons stay responsive. Prefill is the latency
+    path: at nice 15 any busy neighbour (a decode worker receiving our frames) preempts its
+    compute threads, and every parallel region waits for the slowest thread. Back to 0 where the
+    OS allows it (raising priority needs CAP_SYS_NICE); otherwise Ray's default stays."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError as error:
+        logging.getLogger(__name__).info("prefill actor keeps Ray's niceness: %s", error)
 
 
 def ensure_ray(address: str | None = None, **init_kwargs) -> None:

@@ -5,7 +5,7 @@ The engine's own settings (model, device, dtype, threads) are the shared LAZYSER
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.settings import EngineSettings
@@ -19,6 +19,10 @@ class PrefillSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port (one per actor)")
     advertise_host: str | None = Field(None, description="host others reach this worker at; default: host")
+    redis_url: str | None = Field(
+        None, validation_alias=AliasChoices("redis_url", "LAZYSERVE_REDIS_URL"), description="register here (multi-host mode)"
+    )
+    heartbeat_ttl_s: float = Field(3.0, gt=0, description="registration TTL; refreshed every third of it")
     frame_bytes: int = Field(DEFAULT_FRAME_BYTES, ge=4096, le=4 << 20, description="tensor payload per frame, KV and Aux each")
     send_queue_layers: int = Field(8, ge=1, description="layers computed ahead of the sender before prefill waits")
     transfer_timeout_s: float = Field(120.0, gt=0, description="deadline of a transfer when the caller set none")
@@ -29,4 +33,5 @@ class PrefillSettings(BaseSettings):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     prefill_resource: float = Field(0.0, ge=0, description="units of the custom `prefill` resource each actor needs")
+    reset_niceness: bool = Field(True, description="undo Ray's nice 15 for the actor where permitted")
     max_restarts: int = Field(3, ge=-1, description="Ray restarts of a crashed actor; -1: forever")

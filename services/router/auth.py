@@ -1,0 +1,49 @@
+"""API keys: only hashes are kept (SHA-256), in memory or in Redis; comparison is constant-time.
+
+Keys are random tokens, not passwords, so a fast unsalted hash is enough to keep them out of
+memory dumps and Redis; a slow KDF would only slow every request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import redis
+
+from shared.registry import PREFIX
+
+API_KEYS = f"{PREFIX}:apikeys"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def add_key(client: redis.Redis, key: str) -> None:
+    client.sadd(API_KEYS, hash_key(key))
+
+
+class KeyStore:
+    def __init__(self, keys: list[str], required: bool, client: redis.Redis | None = None):
+        self.hashes = [hash_key(key) for key in keys]
+        self.required, self.client = required, client
+
+    def enabled(self) -> bool:
+        if self.required or self.hashes:
+            return True
+        return self.client is not None and self.client.scard(API_KEYS) > 0
+
+    def accepts(self, presented: str | None) -> bool:
+        if not self.enabled():
+            return True
+        if not presented:
+            return False
+        digest = hash_key(presented)
+        # Compare against every stored hash, so the time taken does not depend on which matched.
+        matched = False
+        for stored in self.hashes:
+            matched |= hmac.compare_digest(stored, digest)
+        if not matched and self.client is not None:
+            matched = bool(self.client.sismember(API_KEYS, digest))
+        return matched

@@ -1,0 +1,243 @@
+"""The OpenAI-compatible REST gateway (FastAPI): auth, validation, admission, routing, responses.
+
+Errors leave in OpenAI's format from one place (the exception handlers below): 400 bad input or
+context overflow, 401 key, 413 body size, 429 queue bound, 503 no worker, 504 deadline. Anything
+unexpected is logged here and answered 500 without internals.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.router.auth import KeyStore
+from services.router.dispatch import DeadlineError, Dispatcher, UpstreamError
+from services.router.metrics import GatewayMetrics
+from services.router.policy import NoWorkerError, make_policy
+from services.router.records import RequestRecords
+from services.router.responses import TextJob, error_body, stream_events
+from services.router.settings import GatewaySettings
+from services.router.workers import RedisWorkers, StaticWorkers, Workers
+from shared.registry import WorkerInfo
+from shared.schemas import ModelCard, ModelList
+from shared.serving import CHAT_URL, COMPLETIONS_URL, RequestError, build_response, parse_request, prepare
+from shared.text import TextModel
+
+log = logging.getLogger(__name__)
+
+KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout", 500: "server_error"}
+
+
+def static_workers(settings: GatewaySettings, model: str) -> StaticWorkers:
+    workers = [WorkerInfo(worker_id=f"prefill@{a}", role="prefill", address=a, model=model) for a in settings.prefill_workers]
+    workers += [WorkerInfo(worker_id=f"decode@{a}", role="decode", address=a, model=model) for a in settings.decode_workers]
+    return StaticWorkers(workers)
+
+
+def status_of(error: Exception) -> tuple[int, object]:
+    """The one translation of failures into HTTP statuses and OpenAI error bodies."""
+    if isinstance(error, RequestError):
+        return error.status_code, error_body(error.message, KINDS.get(error.status_code, "invalid_request_error"), error.code, error.param)
+    if isinstance(error, NoWorkerError):
+        return 503, error_body(f"no worker can take the request: {error}", KINDS[503], "no_worker")
+    if isinstance(error, UpstreamError):
+        return 503, error_body(str(error), KINDS[503], "upstream_failed")
+    if isinstance(error, DeadlineError):
+        return 504, error_body(str(error), KINDS[504], "deadline_exceeded")
+    if isinstance(error, redis.RedisError):
+        return 503, error_body("shared state (Redis) is unavailable; retry shortly", KINDS[503], "state_unavailable")
+    log.error("unexpected error", exc_info=error)
+    return 500, error_body("internal error (see the gateway's log)", KINDS[500], "internal_error")
+
+
+def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | None = None) -> FastAPI:
+    client = None
+    if workers is None:
+        if settings.redis_url:
+            workers = RedisWorkers(settings.redis_url)
+            client = workers.client
+        else:
+            workers = static_workers(settings, text.name)
+    metrics = GatewayMetrics()
+    records = RequestRecords(client, settings.request_record_ttl_s) if client is not None else None
+    keys = KeyStore([k.get_secret_value() for k in settings.api_keys], settings.require_api_key, client)
+    dispatcher = Dispatcher(workers, make_policy(settings.routing, settings.local_threshold), text, metrics, settings.retries)
+    in_flight = 0
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await dispatcher.close()
+
+    app = FastAPI(title="lazyserve", version="0.1.0", lifespan=lifespan)
+    app.state.metrics, app.state.dispatcher, app.state.workers = metrics, dispatcher, workers
+
+    def error_response(error: Exception) -> JSONResponse:
+        status, body = status_of(error)
+        outcome = "client_error" if status < 500 else "server_error"
+        metrics.requests.labels(outcome).inc()
+        return JSONResponse({"error": body.model_dump()}, status_code=status)
+
+    @app.exception_handler(Exception)
+    async def _any(request: Request, error: Exception):
+        return error_response(error)
+
+    @app.exception_handler(RequestError)
+    async def _request(request: Request, error: RequestError):
+        return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException):
+        return error_response(RequestError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, error: RequestValidationError):
+        return error_response(RequestError(400, str(error)))
+
+    def authorize(request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        presented = header[7:].strip() if header.lower().startswith("bearer ") else None
+        if not keys.accepts(presented):
+            raise RequestError(401, "missing or invalid API key (send it as `Authorization: Bearer KEY`)", code="invalid_api_key")
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        if len(raw) > settings.max_body_bytes:
+            raise RequestError(413, f"request body of {len(raw)} bytes is over the limit of {settings.max_body_bytes}")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise RequestError(400, f"the body is not valid JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the body must be a JSON object")
+        return body
+
+    async def record(request_id: str, job: TextJob, outcome: str, error: Exception | None = None) -> None:
+        if records is None:
+            return
+        decision, stats = job.decision, job.stats
+        fields = {
+            "outcome": outcome,
+            "route": decision and decision.kind,
+            "decode": decision and decision.decode.address,
+            "prefill": decision and decision.prefill and decision.prefill.address,
+            "prompt_tokens": len(job.prepared.ids),
+            "completion_tokens": stats.completion_tokens if stats else job.num_tokens,
+            "finish_reason": job.finish_reason if outcome == "ok" else None,
+            "ttft_s": job.ttft_s,
+            "e2e_s": time.monotonic() - job.start,
+            "error": error and status_of(error)[1].message,
+        }
+        await run_in_threadpool(records.write, request_id, fields)
+
+    async def complete(request: Request, url: str):
+        nonlocal in_flight
+        authorize(request)
+        parsed = parse_request(url, await read_body(request))
+        prepared = await run_in_threadpool(prepare, text, parsed)  # tokenizing is CPU work: off the loop
+        if in_flight >= settings.max_in_flight:
+            raise RequestError(429, f"the gateway has {settings.max_in_flight} requests in progress; retry later")
+        start = time.monotonic()
+        request_id = f"req-{uuid.uuid4().hex[:16]}"
+        events = dispatcher.run(prepared, request_id, start + settings.request_timeout_s)
+        job = TextJob(events, text.tokenizer, prepared, metrics, start)
+        in_flight += 1
+        metrics.in_flight.set(in_flight)
+        released = False
+
+        def release():
+            nonlocal in_flight, released
+            if not released:
+                released = True
+                in_flight -= 1
+                metrics.in_flight.set(in_flight)
+
+        try:
+            decision = await job.route()
+        except BaseException as error:
+            release()
+            await events.aclose()
+            await record(request_id, job, "failed", error)
+            raise
+        headers = {"x-request-id": request_id, "x-lazyserve-route": decision.kind, "x-lazyserve-decode": decision.decode.address}
+        if parsed.stream:
+            include_usage = bool((parsed.stream_options or {}).get("include_usage"))
+
+            async def body():
+                failures = []
+
+                def on_error(error):
+                    failures.append(error)
+                    metrics.requests.labels("server_error").inc()
+                    return status_of(error)
+
+                outcome = "cancelled"  # unless it finishes: the client went away
+                try:
+                    async for event in stream_events(job, parsed, parsed.model or text.name, include_usage, on_error):
+                        yield event
+                    outcome = "failed" if failures else "ok"
+                    if not failures:
+                        metrics.requests.labels("ok").inc()
+                finally:
+                    release()
+                    if outcome == "cancelled":
+                        metrics.requests.labels("cancelled").inc()
+                    await record(request_id, job, outcome, failures[0] if failures else None)
+
+            return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+        try:
+            async for _ in job.deltas():
+                pass
+        except BaseException as error:
+            await record(request_id, job, "failed", error)
+            raise
+        finally:
+            release()
+        metrics.requests.labels("ok").inc()
+        await record(request_id, job, "ok")
+        response = build_response(text.name, parsed, prepared, job.text, job.finish_reason, job.stats)
+        return JSONResponse(response.model_dump(), headers=headers)
+
+    @app.post(CHAT_URL)
+    async def chat_completions(request: Request):
+        return await complete(request, CHAT_URL)
+
+    @app.post(COMPLETIONS_URL)
+    async def completions(request: Request):
+        return await complete(request, COMPLETIONS_URL)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return ModelList(data=[ModelCard(id=text.name)]).model_dump()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        live = await run_in_threadpool(workers.list)
+        decoders = [w for w in live if w.role == "decode" and w.model == text.name]
+        if not decoders:
+            return JSONResponse({"status": "no decode worker"}, status_code=503)
+        prefillers = [w for w in live if w.role == "prefill" and w.model == text.name]
+        return {"status": "ready", "decode_workers": len(decoders), "prefill_workers": len(prefillers)}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

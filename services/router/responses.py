@@ -1,0 +1,134 @@
+"""From dispatcher events to OpenAI responses: one JSON body, or server-sent event chunks.
+
+The text side (detokenizing, stop strings) lives here, in the gateway: workers deal in token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from services.router.dispatch import Finished, Tokens
+from services.router.metrics import GatewayMetrics
+from services.router.policy import Decision
+from shared.engine import Stats
+from shared.schemas import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    CompletionChunk,
+    CompletionChunkChoice,
+    ErrorBody,
+)
+from shared.serving import Prepared, metrics_of, usage_of
+from shared.text import Detokenizer
+
+
+class TextJob:
+    """Consumes a dispatcher's events, yielding text deltas; afterwards holds the outcome."""
+
+    def __init__(self, events: AsyncIterator, tokenizer, prepared: Prepared, metrics: GatewayMetrics, start: float):
+        self.events, self.prepared, self.metrics, self.start = events, prepared, metrics, start
+        self.detokenizer = Detokenizer(tokenizer, prepared.stop)
+        self.decision: Decision | None = None
+        self.finish_reason = "length"
+        self.stats: Stats | None = None
+        self.num_tokens = 0
+        self.ttft_s: float | None = None
+
+    async def route(self) -> Decision:
+        """Take the routing decision (the first event): errors of routing surface here, before streaming."""
+        event = await anext(self.events)
+        assert isinstance(event, Decision), f"expected the routing decision first, got {event!r}"
+        self.decision = event
+        return event
+
+    async def deltas(self) -> AsyncIterator[str]:
+        last = None
+        async with aclosing(self.events) as events:
+            async for event in events:
+                if isinstance(event, Decision):  # a retry chose again
+                    self.decision = event
+                elif isinstance(event, Tokens):
+                    now = time.monotonic()
+                    if last is None:
+                        self.ttft_s = now - self.start
+                        self.metrics.ttft.observe(self.ttft_s)
+                    else:
+                        self.metrics.itl.observe((now - last) / len(event.ids))
+                    last = now
+                    self.num_tokens += len(event.ids)
+                    delta = self.detokenizer.add(event.ids)
+                    if delta:
+                        yield delta
+                    if self.detokenizer.stopped:
+                        self.finish_reason = "stop"
+                        break  # closing the events cancels generation downstream
+                elif isinstance(event, Finished):
+                    self.finish_reason, self.stats = event.reason, event.stats
+        if not self.detokenizer.stopped and (rest := self.detokenizer.flush()):
+            yield rest
+        if self.stats is None:  # cut short by a stop string: the counts the gateway saw
+            self.stats = Stats(prompt_tokens=len(self.prepared.ids), completion_tokens=self.num_tokens)
+        self.metrics.e2e.observe(time.monotonic() - self.start)
+        self.metrics.prompt_tokens.inc(self.stats.prompt_tokens)
+        self.metrics.completion_tokens.inc(self.stats.completion_tokens)
+        if self.stats.token_layers_full:
+            self.metrics.computed_fraction.observe(self.stats.computed_fraction)
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def stream_events(job: TextJob, request, model: str, include_usage: bool, on_error) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending in `data: [DONE]`; an error event on failure."""
+    chat = isinstance(request, ChatCompletionRequest)
+    base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+
+    def chunk(delta: str | None, finish=None, role=False, usage=None, metrics=None) -> str:
+        if chat:
+            choices = [] if delta is None and finish is None and not role else [
+                ChatChunkChoice(delta=ChatDelta(role="assistant" if role else None, content=delta), finish_reason=finish)
+            ]
+            body = ChatCompletionChunk(**base, choices=choices, usage=usage, metrics=metrics)
+        else:
+            choices = [] if delta is None and finish is None else [CompletionChunkChoice(text=delta or "", finish_reason=finish)]
+            body = CompletionChunk(**base, choices=choices, usage=usage, metrics=metrics)
+        return sse(body.model_dump(exclude_none=True) if not chat else _chat_dump(body))
+
+    try:
+        if chat:
+            yield chunk("", role=True)
+        async with aclosing(job.deltas()) as deltas:  # leaving early cancels downstream at once
+            async for delta in deltas:
+                yield chunk(delta)
+    except Exception as error:  # after the stream began, a failure is an event, never a dropped stream
+        status, body = on_error(error)
+        yield sse({"error": body.model_dump()})
+        return
+    metrics = metrics_of(job.stats, job.prepared.pruning_label)
+    yield chunk(None if chat else "", finish=job.finish_reason, metrics=metrics)
+    if include_usage:
+        yield chunk(None, usage=usage_of(job.stats))
+    yield sse("[DONE]")
+
+
+def _chat_dump(body: ChatCompletionChunk) -> dict:
+    # delta keeps `content` only when set, finish_reason stays (null until the end), as OpenAI sends.
+    data = body.model_dump(exclude_none=True)
+    for choice, model in zip(data["choices"], body.choices):
+        choice["finish_reason"] = model.finish_reason
+    return data
+
+
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> ErrorBody:
+    return ErrorBody(message=message, type=kind, code=code, param=param)

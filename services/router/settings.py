@@ -1,0 +1,52 @@
+"""Gateway and router settings: defaults, then LAZYSERVE_GATEWAY_* environment, then CLI flags.
+
+Worker lists accept JSON or comma-separated addresses. LAZYSERVE_REDIS_URL switches from the
+static single-host worker list to Redis (registered workers, shared load, hashed API keys).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from shared.settings import EngineSettings
+
+AddressList = Annotated[list[str], NoDecode]
+
+
+def _split(value):
+    if isinstance(value, str):
+        value = value.strip()
+        if value.startswith("["):
+            import json
+
+            return json.loads(value)
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LAZYSERVE_GATEWAY_", extra="ignore")
+
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    redis_url: str | None = Field(None, validation_alias=AliasChoices("redis_url", "LAZYSERVE_REDIS_URL"))
+    prefill_workers: AddressList = Field(default_factory=list, description="static mode: prefill worker addresses")
+    decode_workers: AddressList = Field(default_factory=list, description="static mode: decode worker addresses")
+    routing: Literal["length", "round_robin"] = "length"
+    local_threshold: int = Field(1024, ge=0, description="prompts shorter than this are prefilled on a decode worker")
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list, description="accepted keys; hashed at start")
+    require_api_key: bool = Field(False, description="refuse requests without a valid key even if none is configured")
+    max_in_flight: int = Field(64, ge=1, description="requests in progress; more get 429")
+    request_timeout_s: float = Field(600.0, gt=0, description="past this a request ends with 504")
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    retries: int = Field(1, ge=0, description="retries on another worker before the first token")
+    request_record_ttl_s: int = Field(86400, ge=1, description="Redis mode: how long request records are kept")
+
+    @field_validator("prefill_workers", "decode_workers", "api_keys", mode="before")
+    @classmethod
+    def _lists(cls, value):
+        return _split(value)

@@ -1,0 +1,216 @@
+"""The REST gateway with the official openai SDK (and plain HTTP) against real workers on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import wait_for
+
+from helpers import random_ids
+from services.router.disagg import DecodeClient
+from shared.llm import LLM
+from shared.serving import CHAT_URL, COMPLETIONS_URL, choice_text, respond
+
+MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
+LONG_PROMPT_TOKENS = 700
+
+
+@pytest.fixture
+def stack(tiny_llama, decode_worker, prefill_worker, gateway):
+    """A gateway over one prefill and one decode worker (static list); long prompts >= 512 tokens."""
+    decode, _ = decode_worker(tiny_llama)
+    prefill = prefill_worker(tiny_llama)
+    return gateway(prefill_workers=[prefill.address], decode_workers=[decode.address], local_threshold=512), decode
+
+
+def _in_process(tiny_llama, url, body):
+    return respond(LLM(tiny_llama), url, body).model_dump()
+
+
+def test_chat_completion_matches_the_engine(stack, tiny_llama):
+    running, _ = stack
+    reply = running.openai().chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=12, temperature=0)
+    expected = _in_process(tiny_llama, CHAT_URL, {"messages": MESSAGES, "max_tokens": 12, "temperature": 0})
+    assert reply.choices[0].message.content == choice_text(expected)
+    assert reply.choices[0].finish_reason == expected["choices"][0]["finish_reason"]
+    assert reply.usage.prompt_tokens == expected["usage"]["prompt_tokens"]
+    assert reply.usage.completion_tokens == expected["usage"]["completion_tokens"]
+    metrics = reply.model_extra["metrics"]
+    assert metrics["pruning"] == "default" and 0 < metrics["computed_fraction"] <= 1
+
+
+def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(stack):
+    running, _ = stack
+    client = running.openai()
+    args = dict(model="tiny-llama", messages=MESSAGES, max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**args).choices[0].message.content
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_text_completion_streamed_and_not(stack, tiny_llama):
+    running, _ = stack
+    client = running.openai()
+    ids = random_ids(tiny_llama, 40)
+    whole = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=8, temperature=0)
+    expected = _in_process(tiny_llama, COMPLETIONS_URL, {"prompt": ids, "max_tokens": 8, "temperature": 0})
+    assert whole.choices[0].text == choice_text(expected)
+    streamed = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+
+
+def test_sse_wire_format_ends_with_done(stack):
+    running, _ = stack
+    body = {"messages": MESSAGES, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{running.url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_short_prompts_stay_local_and_long_ones_are_disaggregated(stack, tiny_llama):
+    running, decode = stack
+    client = running.openai()
+    short = client.completions.with_raw_response.create(model="tiny-llama", prompt=random_ids(tiny_llama, 50), max_tokens=4)
+    long_ids = random_ids(tiny_llama, LONG_PROMPT_TOKENS)
+    long = client.completions.with_raw_response.create(model="tiny-llama", prompt=long_ids, max_tokens=4, temperature=0)
+    assert short.headers["x-lazyserve-route"] == "local"
+    assert long.headers["x-lazyserve-route"] == "disaggregated"
+    expected = _in_process(tiny_llama, COMPLETIONS_URL, {"prompt": long_ids, "max_tokens": 4, "temperature": 0})
+    assert long.parse().choices[0].text == choice_text(expected)
+    metrics = httpx.get(f"{running.url}/metrics").text
+    assert 'lazyserve_routing_decisions_total{kind="local",policy="length"} 1.0' in metrics
+    assert 'lazyserve_routing_decisions_total{kind="disaggregated",policy="length"} 1.0' in metrics
+    assert "lazyserve_kv_transfer_bytes_total" in metrics and "lazyserve_ttft_seconds_count 2.0" in metrics
+    assert 'lazyserve_requests_total{outcome="ok"} 2.0' in metrics
+
+
+def test_models_health_and_ready(stack, gateway):
+    running, _ = stack
+    assert [m.id for m in running.openai().models.list()] == ["tiny-llama"]
+    assert httpx.get(f"{running.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{running.url}/ready").status_code == 200
+    empty = gateway()
+    assert httpx.get(f"{empty.url}/ready").status_code == 503
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ({"max_tokens": 5000}, ["5000", "2048"]),
+        ({"extra_body": {"pruning": {"mode": "lazy", "stages": [[9, 0.5]]}}}, ["pruning"]),
+        ({"extra_body": {"pruning": "sometimes"}}, ["pruning"]),
+        ({"temperature": 7}, ["temperature"]),
+        ({"top_p": 0}, ["top_p"]),
+        ({"messages": []}, ["messages"]),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, ["role"]),
+    ],
+    ids=["context", "pruning-layer", "pruning-name", "temperature", "top_p", "empty", "role"],
+)
+def test_bad_requests_get_400_in_openai_format(stack, args, words):
+    running, _ = stack
+    with pytest.raises(openai.BadRequestError) as error:
+        running.openai().chat.completions.create(**{"model": "tiny-llama", "messages": MESSAGES} | args)
+    assert error.value.status_code == 400
+    message = error.value.body["message"]
+    assert all(word in message for word in words), message
+    if "5000" in words:
+        assert error.value.body["code"] == "context_length_exceeded"
+
+
+def test_malformed_http_is_refused_cleanly(stack):
+    running, _ = stack
+    bad_json = httpx.post(f"{running.url}/v1/chat/completions", content=b"{not json", timeout=10)
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    huge = httpx.post(f"{running.url}/v1/completions", content=b"x" * (5 << 20), timeout=10)
+    assert huge.status_code == 413
+    no_messages = httpx.post(f"{running.url}/v1/chat/completions", json={"model": "x"}, timeout=10)
+    assert no_messages.status_code == 400 and "messages" in no_messages.json()["error"]["message"]
+    missing = httpx.get(f"{running.url}/v1/nothing", timeout=10)
+    assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_api_key_required_when_configured(tiny_llama, decode_worker, gateway):
+    decode, _ = decode_worker(tiny_llama)
+    running = gateway(decode_workers=[decode.address], api_keys="k-right")
+    with pytest.raises(openai.AuthenticationError):
+        running.openai(api_key="k-wrong").models.list()
+    assert httpx.get(f"{running.url}/v1/models").status_code == 401
+    reply = running.openai(api_key="k-right").chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    assert reply.choices[0].message.content is not None
+
+
+def test_no_worker_is_503(gateway):
+    running = gateway()
+    with pytest.raises(openai.InternalServerError) as error:
+        running.openai().chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    assert error.value.status_code == 503 and "no decode worker" in error.value.body["message"]
+
+
+def test_queue_bound_is_429(tiny_llama, decode_worker, gateway):
+    decode, _ = decode_worker(tiny_llama)
+    running = gateway(decode_workers=[decode.address], max_in_flight=1)
+    client = running.openai()
+    stream = client.completions.create(model="m", prompt=random_ids(tiny_llama, 20), max_tokens=1500, stream=True)
+    next(iter(stream))  # one request in progress
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model="m", prompt=[1, 2, 3], max_tokens=2)
+    stream.close()
+
+
+def test_deadline_is_504(tiny_llama, decode_worker, gateway):
+    decode, _ = decode_worker(tiny_llama)
+    running = gateway(decode_workers=[decode.address], request_timeout_s=0.3)
+    with pytest.raises(openai.APIStatusError) as error:
+        running.openai().completions.create(model="m", prompt=random_ids(tiny_llama, 20), max_tokens=1900)
+    assert error.value.status_code == 504
+
+
+def test_a_client_that_disconnects_frees_its_sequence(stack, tiny_llama):
+    running, decode = stack
+    status = DecodeClient(decode.address)
+    body = {"prompt": random_ids(tiny_llama, 20), "max_tokens": 1900, "stream": True}
+    with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines), next(lines)
+        assert status.status().sequences_active == 1
+    # The connection is closed: the gateway cancels, the decode worker frees the sequence.
+    final = wait_for(lambda: (s := status.status()).sequences_active == 0 and s, timeout=10)
+    assert final and final.bytes_held == 0
+
+
+def test_a_failed_prefill_is_retried_on_another_worker(tiny_llama, decode_worker, prefill_worker, gateway):
+    decode, _ = decode_worker(tiny_llama)
+    good = prefill_worker(tiny_llama)
+    dead = "127.0.0.1:1"  # nothing listens there; sorts first, so it is chosen first
+    running = gateway(prefill_workers=[dead, good.address], decode_workers=[decode.address], local_threshold=512)
+    ids = random_ids(tiny_llama, LONG_PROMPT_TOKENS)
+    reply = running.openai().completions.create(model="m", prompt=ids, max_tokens=4, temperature=0)
+    expected = _in_process(tiny_llama, COMPLETIONS_URL, {"prompt": ids, "max_tokens": 4, "temperature": 0})
+    assert reply.choices[0].text == choice_text(expected)
+    assert "lazyserve_retries_total 1.0" in httpx.get(f"{running.url}/metrics").text
+
+
+def test_a_failure_after_tokens_is_an_error_event(tiny_llama, decode_worker, gateway):
+    decode, _ = decode_worker(tiny_llama)
+    running = gateway(decode_workers=[decode.address])
+    stream = running.openai().completions.create(model="m", prompt=random_ids(tiny_llama, 20), max_tokens=1900, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    threading.Thread(target=decode.stop, kwargs={"grace": 0}).start()  # the worker dies mid-stream
+    with pytest.raises(openai.APIError) as error:
+        for _ in chunks:
+            pass
+    assert "failed" in str(error.value.message) or "UNAVAILABLE" in str(error.value.message)

@@ -1,0 +1,91 @@
+"""Redis mode against a real redis-server: registration and expiry, shared load across router
+replicas, hashed API keys, request records."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import openai
+import pytest
+from conftest import start_process, wait_for
+
+from helpers import random_ids
+from services.router.auth import API_KEYS, add_key, hash_key
+from services.router.workers import DECODE_TOKENS, RedisWorkers
+from shared.registry import Heartbeat, WorkerInfo, connect, list_workers
+
+
+@pytest.fixture
+def registered(redis_url, flush_redis):
+    """register(worker, info) -> Heartbeat for an in-process worker; all stopped afterwards."""
+    beats = []
+
+    def register(address: str, role: str = "decode", model: str = "tiny-llama", ttl_s: float = 2.0):
+        beats.append(Heartbeat(redis_url, WorkerInfo(role=role, address=address, model=model, capacity=4), ttl_s))
+        return beats[-1]
+
+    yield register
+    for beat in beats:
+        beat.stop()
+
+
+def test_a_killed_worker_drops_out_within_its_ttl(redis_url, flush_redis):
+    env = {"LAZYSERVE_REDIS_URL": redis_url, "LAZYSERVE_DECODE_HEARTBEAT_TTL_S": "1.5"}
+    process, address = start_process(["decode-worker", "--model", "tiny-llama", "--port", "0"], "decode", env=env)
+    try:
+        client = connect(redis_url)
+        workers = wait_for(lambda: list_workers(client), timeout=10)
+        assert [(w.role, w.address, w.model) for w in workers] == [("decode", address, "tiny-llama")]
+        os.kill(process.pid, signal.SIGKILL)  # no goodbye: only the TTL can remove it
+        assert wait_for(lambda: list_workers(client) == [], timeout=5), "a dead worker is still listed"
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def test_router_replicas_share_load(tiny_llama, decode_worker, gateway, registered, redis_url):
+    first, _ = decode_worker(tiny_llama)
+    second, _ = decode_worker(tiny_llama)
+    for worker in (first, second):
+        registered(worker.address)
+    replica_a = gateway(redis_url=redis_url)
+    replica_b = gateway(redis_url=redis_url)
+    ids = random_ids(tiny_llama, 30)
+    # A long generation through replica A occupies one decode worker...
+    stream = replica_a.openai().completions.with_raw_response.create(model="m", prompt=ids, max_tokens=1500, stream=True)
+    busy = stream.headers["x-lazyserve-decode"]
+    chunks = iter(stream.parse())
+    next(chunks)
+    loads = RedisWorkers(redis_url).loads(DECODE_TOKENS)
+    assert max(loads.values()) == 1500
+    # ...and replica B, seeing the shared counter, sends the next request to the other one.
+    reply = replica_b.openai().completions.with_raw_response.create(model="m", prompt=ids, max_tokens=2)
+    assert reply.headers["x-lazyserve-decode"] != busy
+    stream.parse().close()
+    assert wait_for(lambda: all(v == 0 for v in RedisWorkers(redis_url).loads(DECODE_TOKENS).values()), timeout=10)
+
+
+def test_api_keys_are_stored_hashed(tiny_llama, decode_worker, gateway, registered, redis_url, flush_redis):
+    worker, _ = decode_worker(tiny_llama)
+    registered(worker.address)
+    add_key(flush_redis, "sk-lazy-123")
+    assert flush_redis.smembers(API_KEYS) == {hash_key("sk-lazy-123")}
+    assert "sk-lazy-123" not in str(flush_redis.smembers(API_KEYS))
+    running = gateway(redis_url=redis_url)
+    with pytest.raises(openai.AuthenticationError):
+        running.openai(api_key="sk-wrong").completions.create(model="m", prompt=[1, 2], max_tokens=1)
+    reply = running.openai(api_key="sk-lazy-123").completions.create(model="m", prompt=[1, 2], max_tokens=1)
+    assert reply.usage.completion_tokens == 1
+
+
+def test_requests_are_recorded_with_a_ttl(tiny_llama, decode_worker, gateway, registered, redis_url, flush_redis):
+    worker, _ = decode_worker(tiny_llama)
+    registered(worker.address)
+    running = gateway(redis_url=redis_url, request_record_ttl_s=600)
+    reply = running.openai().completions.with_raw_response.create(model="m", prompt=[1, 2, 3], max_tokens=3)
+    key = f"lazyserve:request:{reply.headers['x-request-id']}"
+    record = wait_for(lambda: flush_redis.hgetall(key).get("outcome") == "ok" and flush_redis.hgetall(key))
+    assert record and record["route"] == "local" and int(record["completion_tokens"]) == 3
+    assert float(record["ttft_s"]) > 0 and float(record["e2e_s"]) >= float(record["ttft_s"])
+    assert 0 < flush_redis.ttl(key) <= 600
