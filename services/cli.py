@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--local-threshold", type=int, default=None, help="prompts shorter than this skip the transfer")
     gateway.add_argument("--redis-url", default=None, help="registered workers and shared load in Redis")
 
-    bench = sub.add_parser("bench", add_help=False, help="benchmarks: ttft, disagg (lazyserve bench NAME --help for flags)")
-    bench.add_argument("name", choices=["ttft", "disagg"])
+    bench = sub.add_parser("bench", add_help=False, help="benchmarks: ttft, disagg, serve (lazyserve bench NAME --help for flags)")
+    bench.add_argument("name", choices=["ttft", "disagg", "serve"])
 
     sub.add_parser("eval", add_help=False, help="the long-context accuracy suite under many pruning schedules (--help for flags)")
     return parser

@@ -81,7 +81,11 @@ def launch_prefill_actors(settings: PrefillSettings, ray_address: str | None = N
         # A call that was running when the actor died is retried once it is back.
         max_task_retries=1,
     )
-    handles = [remote.remote(settings.model_dump_json()) for _ in range(settings.num_actors)]
+    # A fixed port is the first actor's; the others take the next ones (0: each picks a free port).
+    handles = [
+        remote.remote(settings.model_copy(update={"port": settings.port and settings.port + i}).model_dump_json())
+        for i in range(settings.num_actors)
+    ]
     ray.get([handle.address.remote() for handle in handles])
     return handles
 

@@ -1,0 +1,252 @@
+"""`lazyserve bench serve`: a loopback load test of the whole service, length-aware vs round-robin.
+
+Starts prefill actors on a local Ray and decode workers as processes, then for each routing
+policy a gateway process over the same workers, and replays one workload against it: Poisson
+arrivals, prompt lengths log-uniform between --min-len and --max-len (real text), streamed
+completions through the REST API. Reports TTFT, inter-token latency (TPOT) and end-to-end p50 /
+p99, throughput, and goodput (requests/s meeting the TTFT and TPOT SLO). Bounded: --requests
+requests, each policy's run stops after --max-seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.common import markdown_table, write_json
+
+
+@dataclass
+class Outcome:
+    prompt_tokens: int
+    ok: bool = False
+    error: str = ""
+    ttft_s: float = math.nan
+    e2e_s: float = math.nan
+    tpot_s: float = math.nan  # mean time per output token after the first
+    tokens: int = 0
+    route: str = ""
+
+
+def workload(count: int, rate: float, min_len: int, max_len: int, seed: int) -> list[tuple[float, int]]:
+    """(arrival time, prompt length) pairs: Poisson arrivals, log-uniform lengths."""
+    rng = random.Random(seed)
+    t, items = 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        items.append((t, int(math.exp(rng.uniform(math.log(min_len), math.log(max_len))))))
+    return items
+
+
+async def one_request(client, url: str, prompt: list[int], max_tokens: int, timeout: float) -> Outcome:
+    import httpx
+
+    outcome = Outcome(len(prompt))
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    start = time.monotonic()
+    stamps = []
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
+            outcome.route = response.headers.get("x-lazyserve-route", "")
+            if response.status_code != 200:
+                outcome.error = f"HTTP {response.status_code}"
+                return outcome
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    outcome.error = data["error"]["message"][:200]
+                    return outcome
+                if data["choices"] and data["choices"][0]["text"]:
+                    stamps.append(time.monotonic())
+                if data.get("usage") or (data["choices"] and data["choices"][0].get("finish_reason")):
+                    outcome.tokens = max(outcome.tokens, len(stamps))
+    except (httpx.HTTPError, asyncio.TimeoutError) as error:
+        outcome.error = type(error).__name__
+        return outcome
+    end = time.monotonic()
+    outcome.ok = bool(stamps)
+    if stamps:
+        outcome.ttft_s, outcome.e2e_s = stamps[0] - start, end - start
+        if len(stamps) > 1:
+            outcome.tpot_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    return outcome
+
+
+async def replay(url: str, items, prompts, max_tokens: int, max_seconds: float) -> list[Outcome]:
+    import httpx
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
+        start = time.monotonic()
+
+        async def fire(at: float, prompt):
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            remaining = max(1.0, max_seconds - (time.monotonic() - start))
+            return await one_request(client, url, prompt, max_tokens, remaining)
+
+        tasks = [asyncio.create_task(fire(at, prompt)) for (at, _), prompt in zip(items, prompts)]
+        return list(await asyncio.gather(*tasks))
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(v for v in values if not math.isnan(v))
+    if not values:
+        return math.nan
+    index = min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))
+    return values[index]
+
+
+def summarize(outcomes: list[Outcome], wall_s: float, slo_ttft: float, slo_tpot: float) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    good = [o for o in ok if o.ttft_s <= slo_ttft and (math.isnan(o.tpot_s) or o.tpot_s <= slo_tpot)]
+    summary = {"requests": len(outcomes), "ok": len(ok), "errors": len(outcomes) - len(ok), "wall_s": wall_s}
+    for name in ("ttft_s", "tpot_s", "e2e_s"):
+        values = [getattr(o, name) for o in ok]
+        summary[name] = {"p50": percentile(values, 50), "p99": percentile(values, 99), "mean": statistics.fmean(values) if values else math.nan}
+    summary["throughput_rps"] = len(ok) / wall_s
+    summary["output_tokens_per_s"] = sum(o.tokens for o in ok) / wall_s
+    summary["goodput_rps"] = len(good) / wall_s
+    summary["routes"] = {route: sum(o.route == route for o in outcomes) for route in sorted({o.route for o in outcomes})}
+    return summary
+
+
+def _start(args: list[str], ready: str, env=None):
+    process = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, **(env or {})})
+    if ready:
+        for line in process.stdout:
+            if line.startswith(f"READY {ready} "):
+                return process, line.split()[2]
+        raise RuntimeError(f"{args} did not start")
+    return process, None
+
+
+def _wait_http(url: str, timeout: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"gateway at {url} not ready")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lazyserve bench serve", description=__doc__)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--rate", type=float, default=0.4, help="mean arrivals per second")
+    parser.add_argument("--min-len", type=int, default=200)
+    parser.add_argument("--max-len", type=int, default=6000)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--prefill-workers", type=int, default=2)
+    parser.add_argument("--decode-workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--local-threshold", type=int, default=1024)
+    parser.add_argument("--policies", nargs="+", default=["length", "round_robin"])
+    parser.add_argument("--slo-ttft", type=float, default=10.0, help="seconds")
+    parser.add_argument("--slo-tpot", type=float, default=0.5, help="seconds per output token")
+    parser.add_argument("--max-seconds", type=float, default=900.0, help="bound of each policy's run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="out/bench_serve.json")
+    args = parser.parse_args(argv)
+
+    from bench.common import reference_text
+    from services.prefill.actor import actor_addresses, ensure_ray, launch_prefill_actors
+    from services.prefill.settings import PrefillSettings
+    from shared.settings import EngineSettings
+    from shared.text import load_text_model
+
+    text = load_text_model(args.model)
+    corpus = text.tokenizer(reference_text()).input_ids
+    items = workload(args.requests, args.rate, args.min_len, args.max_len, args.seed)
+    rng = random.Random(args.seed + 1)
+    prompts = []
+    for _, length in items:
+        offset = rng.randrange(0, len(corpus) - length)
+        prompts.append(corpus[offset : offset + length])
+
+    ensure_ray(num_cpus=max(os.cpu_count(), args.prefill_workers), log_to_driver=False)
+    settings = PrefillSettings(
+        engine=EngineSettings(model=args.model, threads=args.threads), num_cpus=1, num_actors=args.prefill_workers
+    )
+    processes = []
+    report = {"args": vars(args), "workload": [length for _, length in items], "policies": {}}
+    try:
+        actors = launch_prefill_actors(settings)
+        prefill_addresses = actor_addresses(actors)
+        decode_addresses = []
+        for _ in range(args.decode_workers):
+            process, address = _start(
+                ["decode-worker", "--model", args.model, "--port", "0", "--threads", str(args.threads)], "decode"
+            )
+            processes.append(process)
+            decode_addresses.append(address)
+        for policy in args.policies:
+            port = 8100 + len(report["policies"])
+            gateway, _ = _start(
+                ["gateway", "--model", args.model, "--port", str(port), "--routing", policy,
+                 "--local-threshold", str(args.local_threshold),
+                 "--prefill-workers", ",".join(prefill_addresses), "--decode-workers", ",".join(decode_addresses)],
+                "", env={"LAZYSERVE_GATEWAY_REQUEST_TIMEOUT_S": str(args.max_seconds)},
+            )
+            url = f"http://127.0.0.1:{port}"
+            try:
+                _wait_http(url)
+                asyncio.run(replay(url, [(0.0, 300)], [prompts[0][:300]], 2, 120))  # warm-up
+                start = time.monotonic()
+                outcomes = asyncio.run(replay(url, items, prompts, args.max_tokens, args.max_seconds))
+                wall = time.monotonic() - start
+            finally:
+                gateway.terminate()
+                gateway.wait(timeout=30)
+            summary = summarize(outcomes, wall, args.slo_ttft, args.slo_tpot)
+            report["policies"][policy] = {"summary": summary, "requests": [asdict(o) for o in outcomes]}
+            print(f"{policy}: {summary['ok']}/{summary['requests']} ok in {wall:.0f} s", flush=True)
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=30)
+        import ray
+
+        ray.shutdown()
+    _print(report)
+    write_json(Path(args.out), report)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _print(report: dict) -> None:
+    rows = []
+    for policy, entry in report["policies"].items():
+        s = entry["summary"]
+        rows.append([
+            policy, f"{s['ok']}/{s['requests']}",
+            f"{s['ttft_s']['p50']:.2f}", f"{s['ttft_s']['p99']:.2f}",
+            f"{s['tpot_s']['p50'] * 1000:.0f}", f"{s['tpot_s']['p99'] * 1000:.0f}",
+            f"{s['e2e_s']['p50']:.2f}", f"{s['e2e_s']['p99']:.2f}",
+            f"{s['throughput_rps']:.3f}", f"{s['goodput_rps']:.3f}", json.dumps(s["routes"]),
+        ])
+    print(markdown_table(
+        ["policy", "ok", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms", "e2e p50 s", "e2e p99 s",
+         "req/s", "goodput req/s", "routes"], rows))
+    policies = report["policies"]
+    if "length" in policies and "round_robin" in policies:
+        ratio = policies["length"]["summary"]["ttft_s"]["p99"] / policies["round_robin"]["summary"]["ttft_s"]["p99"]
+        report["p99_ttft_length_over_round_robin"] = ratio
+        print(f"\np99 TTFT, length-aware / round-robin: {ratio:.3f} (target <= 0.8)")
