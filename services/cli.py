@@ -72,6 +72,12 @@ def cmd_gateway(args) -> int:
     return serve(GatewaySettings(**_service_overrides(args, names)))
 
 
+def cmd_up(args) -> int:
+    from services.up import up
+
+    return up(args.model, args.port, args.decode_workers, args.prefill_actors, args.threads, args.local_threshold)
+
+
 def cmd_bench(args, rest: list[str]) -> int:
     import importlib
 
@@ -104,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--num-gpus", type=float, default=None, help="Ray GPUs per actor")
     prefill.add_argument("--prefill-resource", type=float, default=None, help="units of the custom `prefill` resource per actor")
     prefill.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
+
+    stack = sub.add_parser("up", help="the whole system on this host: decode workers, prefill actors on a local Ray, the gateway")
+    stack.add_argument("--model", default=None)
+    stack.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    stack.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    stack.add_argument("--decode-workers", type=int, default=1)
+    stack.add_argument("--prefill-actors", type=int, default=1)
+    stack.add_argument("--local-threshold", type=int, default=None)
 
     gateway = sub.add_parser("gateway", help="serve the OpenAI-compatible REST API (flags override LAZYSERVE_GATEWAY_*)")
     gateway.add_argument("--model", default=None)
@@ -140,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode-worker": cmd_decode_worker,
         "prefill-worker": cmd_prefill_worker,
         "gateway": cmd_gateway,
+        "up": cmd_up,
     }
     return commands[args.command](args)
 

@@ -9,11 +9,14 @@ from services.decode.settings import DecodeSettings
 from shared.lifecycle import wait_for_signal
 from shared.models import load_model
 from shared.registry import Heartbeat, WorkerInfo
+from shared.telemetry import setup_logging, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 
 
 def serve(settings: DecodeSettings) -> int:
+    setup_logging()
+    setup_tracing("lazyserve-decode")
     engine = settings.engine
     engine.apply_threads()
     loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
@@ -29,4 +32,5 @@ def serve(settings: DecodeSettings) -> int:
     if heartbeat is not None:
         heartbeat.stop()
     worker.stop()
+    shutdown_tracing()
     return 0

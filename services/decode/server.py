@@ -31,7 +31,10 @@ from shared.engine import (
     fill_prefill_stats,
     prefill,
 )
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from shared.models import LoadedModel
+from shared.telemetry import extract_context, tracer
 from shared.rpc import Cancelled, InvalidArgument, Unavailable, make_server, set_serving
 from shared.transfer import FrameError, TransferAssembler, payload_bytes, pruning_from_pb, sampling_from_pb, stats_to_pb
 from shared.transfer.messages import check_token_ids
@@ -49,6 +52,14 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     # ------------------------------------------------------------------ PushKV
     def PushKV(self, request_iterator, context):
+        with tracer.start_as_current_span("kv_receive", context=extract_context(context), kind=SpanKind.SERVER) as span:
+            reply = self._push(request_iterator, context)
+            span.set_attribute("lazyserve.transfer_id", reply.transfer_id)
+            span.set_attribute("lazyserve.frames", reply.num_frames)
+            span.set_attribute("lazyserve.bytes_received", reply.bytes_received)
+            return reply
+
+    def _push(self, request_iterator, context):
         spec = self.model.spec
         assembler = TransferAssembler(self.loaded.name, spec, self.model.dtype, self.model.device, spec.max_positions)
         first = next(request_iterator, None)
@@ -88,7 +99,27 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     # ------------------------------------------------------------------ Generate
     def Generate(self, request, context):
+        span = tracer.start_span("decode", context=extract_context(context), kind=SpanKind.SERVER)
+        span.set_attribute("lazyserve.request_id", request.request_id)
+        span.set_attribute("lazyserve.local_prefill", request.WhichOneof("source") == "prompt")
+        started: list[Sequence] = []
+        try:
+            yield from self._generate(request, context, started)
+        except Exception as error:
+            span.set_status(Status(StatusCode.ERROR, str(error)[:200]))
+            raise
+        finally:
+            if started:
+                stats = started[0].generation.stats
+                span.set_attribute("gen_ai.usage.input_tokens", stats.prompt_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", stats.completion_tokens)
+                span.set_attribute("lazyserve.revived_token_layers", stats.revived_token_layers)
+                span.set_attribute("lazyserve.computed_fraction", stats.computed_fraction)
+            span.end()
+
+    def _generate(self, request, context, started: list):
         sequence = self._sequence(request)
+        started.append(sequence)
         context.add_callback(sequence.cancelled.set)  # runs when the call ends, cancelled or not
         self.scheduler.submit(sequence)
         while True:

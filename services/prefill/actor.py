@@ -21,7 +21,10 @@ class PrefillActor:
         from services.prefill.worker import start_prefill_worker
         from shared.models import load_model
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from shared.telemetry import setup_logging, setup_tracing
+
+        setup_logging()
+        setup_tracing("lazyserve-prefill")
         settings = PrefillSettings.model_validate_json(settings_json)
         engine = settings.engine
         if settings.reset_niceness:
@@ -31,6 +34,9 @@ class PrefillActor:
 
         torch.set_num_threads(engine.threads or max(1, int(settings.num_cpus)))
         loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
+        if settings.host in ("0.0.0.0", "::") and settings.advertise_host is None:
+            # Reachable from other nodes at this node's address, wherever Ray placed the actor.
+            settings = settings.model_copy(update={"advertise_host": ray.util.get_node_ip_address()})
         self.worker = start_prefill_worker(settings, loaded)
         self.heartbeat = None
         if settings.redis_url:
@@ -43,6 +49,12 @@ class PrefillActor:
 
     def address(self) -> str:
         return self.worker.address
+
+    def flush_traces(self) -> None:
+        """Export buffered spans now (before the actor is killed)."""
+        from shared.telemetry import shutdown_tracing
+
+        shutdown_tracing()
 
     def pid(self) -> int:
         return os.getpid()

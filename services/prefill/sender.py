@@ -12,11 +12,14 @@ import queue
 from typing import Callable
 
 import grpc
+from opentelemetry.propagate import inject
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from shared import rpc
 from shared.engine import LayerFrame
+from shared.telemetry import tracer
 from shared.transfer import frame_messages, payload_bytes
 
 _CLOSE = object()
@@ -34,7 +37,13 @@ class KVSender:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_layers)
         self._channel = rpc.channel(address)
         stub = pb_grpc.DecodeServiceStub(self._channel)
-        self._future = stub.PushKV.future(self._messages(header), timeout=timeout_s)
+        # A child of the current (prefill) span; its context rides the stream's metadata.
+        self.span = tracer.start_span("kv_transfer", kind=SpanKind.CLIENT)
+        self.span.set_attribute("lazyserve.transfer_id", self.transfer_id)
+        self.span.set_attribute("server.address", address)
+        carrier: dict[str, str] = {}
+        inject(carrier, context=set_span_in_context(self.span))
+        self._future = stub.PushKV.future(self._messages(header), timeout=timeout_s, metadata=tuple(carrier.items()))
 
     def _count(self, message: pb.TransferMessage) -> pb.TransferMessage:
         kv, aux = payload_bytes(message)
@@ -77,6 +86,18 @@ class KVSender:
             raise self._failure(error) from None
         finally:
             self._channel.close()
+            self._end_span()
+
+    def _end_span(self, error: str | None = None) -> None:
+        if not self.span.is_recording():
+            return
+        self.span.set_attribute("lazyserve.frames", self.num_frames)
+        self.span.set_attribute("lazyserve.kv_bytes_sent", self.kv_bytes)
+        self.span.set_attribute("lazyserve.aux_bytes_sent", self.aux_bytes)
+        self.span.set_attribute("lazyserve.stream_bytes", self.bytes_sent)
+        if error:
+            self.span.set_status(Status(StatusCode.ERROR, error))
+        self.span.end()
 
     def abort(self) -> None:
         """Stop sending and drop what is queued; safe to call more than once."""
@@ -88,6 +109,7 @@ class KVSender:
                 break
         self._queue.put_nowait(_CLOSE)
         self._channel.close()
+        self._end_span("aborted")
 
     def _raise_if_failed(self) -> None:
         if not self._future.done():

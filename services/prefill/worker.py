@@ -21,7 +21,10 @@ from services.prefill.sender import KVSender
 from services.prefill.settings import PrefillSettings
 from shared.engine import Sampler, Stats, fill_prefill_stats, prefill
 from shared.models import LoadedModel
+from opentelemetry.trace import SpanKind
+
 from shared.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, set_serving
+from shared.telemetry import extract_context, tracer
 from shared.transfer import end_message, header_message, pruning_from_pb, sampling_from_pb, stats_to_pb
 from shared.transfer.messages import check_token_ids
 
@@ -60,11 +63,23 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         timeout = context.time_remaining()
         timeout = self.settings.transfer_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        self._wait_turn(context, deadline)
-        try:
-            return self._run(request, context, config, params, deadline)
-        finally:
-            self._slots.release()
+        with tracer.start_as_current_span("prefill", context=extract_context(context), kind=SpanKind.SERVER) as span:
+            span.set_attribute("lazyserve.transfer_id", request.transfer_id)
+            span.set_attribute("gen_ai.usage.input_tokens", n)
+            span.set_attribute("lazyserve.decode_address", request.decode_address)
+            self._wait_turn(context, deadline)
+            try:
+                reply = self._run(request, context, config, params, deadline)
+            finally:
+                self._slots.release()
+            stats = reply.stats
+            span.set_attribute("lazyserve.prefill_s", stats.ttft_s)
+            span.set_attribute("lazyserve.prefill_token_layers", stats.prefill_token_layers)
+            span.set_attribute("lazyserve.computed_fraction", stats.prefill_token_layers / max(1, n * spec.num_layers))
+            span.set_attribute("lazyserve.kept_fraction_per_layer", [k / n for k in stats.kept_per_layer])
+            span.set_attribute("lazyserve.kv_bytes_sent", reply.kv_bytes_sent)
+            span.set_attribute("lazyserve.aux_bytes_sent", reply.aux_bytes_sent)
+            return reply
 
     def _wait_turn(self, context, deadline: float) -> None:
         while not self._slots.acquire(timeout=0.05):

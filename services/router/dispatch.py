@@ -17,14 +17,19 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry.propagate import inject
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision, NoWorkerError
+from services.router.tracing import annotate_decision
 from services.router.workers import DECODE_TOKENS, PREFILL_COST, Workers
 from shared.engine import Stats
 from shared.rpc import CHANNEL_OPTIONS
+from shared.telemetry import tracer
 from shared.serving import Prepared
 from shared.text import TextModel
 from shared.transfer import pruning_to_pb, sampling_to_pb, stats_from_pb
@@ -62,6 +67,13 @@ class DeadlineError(Exception):
     """The request deadline passed (504)."""
 
 
+def metadata_of(span) -> tuple[tuple[str, str], ...]:
+    """W3C trace context of `span` as gRPC metadata."""
+    carrier: dict[str, str] = {}
+    inject(carrier, context=set_span_in_context(span))
+    return tuple(carrier.items())
+
+
 class Dispatcher:
     def __init__(self, workers: Workers, policy, text: TextModel, metrics: GatewayMetrics, retries: int):
         self.workers, self.policy, self.text, self.metrics, self.retries = workers, policy, text, metrics, retries
@@ -77,11 +89,13 @@ class Dispatcher:
             await channel.close()
         self._channels.clear()
 
-    def choose(self, prepared: Prepared, exclude: set[str]) -> Decision:
+    def choose(self, prepared: Prepared, exclude: set[str], parent: otel_context.Context | None = None) -> Decision:
         fraction = prepared.pruning.computed_fraction(self.text.spec.num_layers)
-        decision = self.policy.choose(
-            self.workers, self.text.name, len(prepared.ids), fraction, prepared.sampling.max_new_tokens, exclude
-        )
+        with tracer.start_as_current_span("route", context=parent) as span:
+            decision = self.policy.choose(
+                self.workers, self.text.name, len(prepared.ids), fraction, prepared.sampling.max_new_tokens, exclude
+            )
+            annotate_decision(span, decision, self.policy.name)
         self.metrics.routing.labels(decision.kind, self.policy.name).inc()
         log.debug(
             "route %s: %s (prefill=%s decode=%s, predicted cost %.0f)",
@@ -90,13 +104,15 @@ class Dispatcher:
         )
         return decision
 
-    async def run(self, prepared: Prepared, request_id: str, deadline: float) -> AsyncIterator[Tokens | Finished]:
+    async def run(
+        self, prepared: Prepared, request_id: str, deadline: float, parent: otel_context.Context | None = None
+    ) -> AsyncIterator[Tokens | Finished]:
         exclude: set[str] = set()
         attempt = 0
         while True:
             try:
                 # The worker list may come from Redis: a blocking call, kept off the event loop.
-                decision = await asyncio.to_thread(self.choose, prepared, exclude)
+                decision = await asyncio.to_thread(self.choose, prepared, exclude, parent)
             except NoWorkerError:
                 if attempt == 0:
                     raise
@@ -107,7 +123,7 @@ class Dispatcher:
             try:
                 # aclosing: when the consumer leaves early, the attempt's calls are cancelled now,
                 # not when the garbage collector finalizes the generator.
-                async with aclosing(self._attempt(decision, prepared, request_id, deadline)) as events:
+                async with aclosing(self._attempt(decision, prepared, request_id, deadline, parent)) as events:
                     async for event in events:
                         emitted = emitted or isinstance(event, Tokens)
                         yield event
@@ -134,7 +150,7 @@ class Dispatcher:
         except Exception as error:  # a load counter must not fail a request (Redis blip): logged
             log.warning("load counter update failed: %s", error)
 
-    async def _attempt(self, decision: Decision, prepared: Prepared, request_id: str, deadline: float):
+    async def _attempt(self, decision: Decision, prepared: Prepared, request_id: str, deadline: float, parent=None):
         pruning, sampling = pruning_to_pb(prepared.pruning), sampling_to_pb(prepared.sampling)
         decode = pb_grpc.DecodeServiceStub(self._channel(decision.decode.address))
         if decision.prefill is None:
@@ -144,6 +160,9 @@ class Dispatcher:
         else:
             transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
             prefill = pb_grpc.PrefillServiceStub(self._channel(decision.prefill.address))
+            span = tracer.start_span("prefill", context=parent, kind=SpanKind.CLIENT)
+            span.set_attribute("lazyserve.transfer_id", transfer_id)
+            span.set_attribute("server.address", decision.prefill.address)
             try:
                 reply = await prefill.Prefill(
                     pb.PrefillRequest(
@@ -154,16 +173,25 @@ class Dispatcher:
                         sampling=sampling,
                     ),
                     timeout=max(deadline - time.monotonic(), 0.001),
+                    metadata=metadata_of(span),
                 )
+                span.set_attribute("lazyserve.kv_bytes_sent", reply.kv_bytes_sent)
+                span.set_attribute("lazyserve.aux_bytes_sent", reply.aux_bytes_sent)
+                span.set_attribute("lazyserve.stream_bytes", reply.bytes_sent)
             except grpc.aio.AioRpcError as error:
+                span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))
                 # The prefill worker names a failed transfer in its message; blame the right side.
                 to_decode = "KV transfer to decode worker" in (error.details() or "")
                 raise WorkerFailed(decision.decode if to_decode else decision.prefill, error) from None
+            finally:
+                span.end()
             self.metrics.kv_bytes.inc(reply.bytes_sent)
             if reply.first_token not in prepared.sampling.stop_token_ids:
                 yield Tokens([reply.first_token])
             request = pb.GenerateRequest(request_id=request_id, transfer_id=transfer_id)
-        call = decode.Generate(request, timeout=max(deadline - time.monotonic(), 0.001))
+        span = tracer.start_span("decode", context=parent, kind=SpanKind.CLIENT)
+        span.set_attribute("server.address", decision.decode.address)
+        call = decode.Generate(request, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata_of(span))
         try:
             async for response in call:
                 if response.token_ids:
@@ -173,6 +201,8 @@ class Dispatcher:
                     return
             raise UpstreamError(f"decode worker {decision.decode.address} ended the stream without finishing")
         except grpc.aio.AioRpcError as error:
+            span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))
             raise WorkerFailed(decision.decode, error) from None
         finally:
             call.cancel()  # no-op once finished; frees the sequence when the consumer left early
+            span.end()

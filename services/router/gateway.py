@@ -28,6 +28,14 @@ from services.router.policy import NoWorkerError, make_policy
 from services.router.records import RequestRecords
 from services.router.responses import TextJob, error_body, stream_events
 from services.router.settings import GatewaySettings
+from services.router.tracing import (
+    annotate_decision,
+    annotate_request,
+    annotate_stats,
+    context_of,
+    finish_request_span,
+    start_request_span,
+)
 from services.router.workers import RedisWorkers, StaticWorkers, Workers
 from shared.registry import WorkerInfo
 from shared.schemas import ModelCard, ModelList
@@ -143,15 +151,29 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
         await run_in_threadpool(records.write, request_id, fields)
 
     async def complete(request: Request, url: str):
+        operation = "chat" if url == CHAT_URL else "text_completion"
+        span = start_request_span(request.headers, operation, text.name)
+        try:
+            response = await handle(request, url, span)
+        except Exception as error:
+            finish_request_span(span, error=error, status_code=status_of(error)[0])
+            raise
+        if not isinstance(response, StreamingResponse):
+            span.end()  # streaming responses end their span when the stream ends
+        return response
+
+    async def handle(request: Request, url: str, span):
         nonlocal in_flight
         authorize(request)
         parsed = parse_request(url, await read_body(request))
         prepared = await run_in_threadpool(prepare, text, parsed)  # tokenizing is CPU work: off the loop
+        annotate_request(span, prepared, text.spec.num_layers)
         if in_flight >= settings.max_in_flight:
             raise RequestError(429, f"the gateway has {settings.max_in_flight} requests in progress; retry later")
         start = time.monotonic()
         request_id = f"req-{uuid.uuid4().hex[:16]}"
-        events = dispatcher.run(prepared, request_id, start + settings.request_timeout_s)
+        span.set_attribute("gen_ai.response.id", request_id)
+        events = dispatcher.run(prepared, request_id, start + settings.request_timeout_s, context_of(span))
         job = TextJob(events, text.tokenizer, prepared, metrics, start)
         in_flight += 1
         metrics.in_flight.set(in_flight)
@@ -171,6 +193,7 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
             await events.aclose()
             await record(request_id, job, "failed", error)
             raise
+        annotate_decision(span, decision, dispatcher.policy.name)
         headers = {"x-request-id": request_id, "x-lazyserve-route": decision.kind, "x-lazyserve-decode": decision.decode.address}
         if parsed.stream:
             include_usage = bool((parsed.stream_options or {}).get("include_usage"))
@@ -194,6 +217,8 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
                     release()
                     if outcome == "cancelled":
                         metrics.requests.labels("cancelled").inc()
+                    span.set_attribute("lazyserve.outcome", outcome)
+                    finish_request_span(span, job, failures[0] if failures else None, 200)
                     await record(request_id, job, outcome, failures[0] if failures else None)
 
             return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
@@ -207,6 +232,9 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
             release()
         metrics.requests.labels("ok").inc()
         await record(request_id, job, "ok")
+        if job.stats is not None:
+            annotate_stats(span, job.stats)
+        span.set_attribute("gen_ai.response.finish_reasons", [job.finish_reason])
         response = build_response(text.name, parsed, prepared, job.text, job.finish_reason, job.stats)
         return JSONResponse(response.model_dump(), headers=headers)
 

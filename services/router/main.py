@@ -8,16 +8,21 @@ import uvicorn
 
 from services.router.gateway import create_app
 from services.router.settings import GatewaySettings
+from shared.telemetry import setup_logging, setup_tracing, shutdown_tracing
 from shared.text import load_text_model
 
 log = logging.getLogger(__name__)
 
 
 def serve(settings: GatewaySettings) -> int:
+    setup_logging()
+    setup_tracing("lazyserve-gateway")
     text = load_text_model(settings.engine.model, settings.engine.cache_dir)
     app = create_app(settings, text)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    # log_config=None: uvicorn keeps our JSON log lines instead of installing its own format.
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False)
     server = uvicorn.Server(config)
     # uvicorn handles SIGINT/SIGTERM itself: in-flight requests finish, then it returns.
     server.run()
+    shutdown_tracing()
     return 0
