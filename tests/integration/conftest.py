@@ -53,14 +53,18 @@ def local_ray():
     ray.shutdown()
 
 
-def start_process(args: list[str], ready: str, timeout: float = 120.0, env: dict | None = None):
-    """Start `lazyserve ARGS` and wait for its READY line; returns (process, the rest of that line)."""
+def start_process(args: list[str], ready: str, timeout: float = 120.0, env: dict | None = None, session: bool = False):
+    """Start `lazyserve ARGS` and wait for its READY line; returns (process, the rest of that line).
+
+    session: in its own session, so kill_sessions() can take down whatever it starts (Ray).
+    """
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         env={**os.environ, **(env or {})},
+        start_new_session=session,
     )
     deadline = time.monotonic() + timeout
     for line in process.stdout:
@@ -183,3 +187,29 @@ def prefill_worker():
     yield start
     for worker in started:
         worker.stop(grace=0)
+
+
+def session_members(sessions: set[int]) -> list[int]:
+    """Live (non-zombie) processes whose session id is in `sessions`."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) in sessions:
+            members.append(int(entry))
+    return members
+
+
+def kill_sessions(sessions: set[int]) -> None:
+    import signal
+
+    for pid in session_members(sessions):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

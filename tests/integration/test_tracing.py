@@ -17,7 +17,7 @@ from concurrent import futures
 import grpc
 import httpx
 import pytest
-from conftest import free_port, wait_for
+from conftest import free_port, session_members, wait_for
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.propagate import inject
@@ -130,20 +130,6 @@ def receiver():
     server.stop(0)
 
 
-def _sessions_alive(sessions: set[int]) -> list[int]:
-    alive = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) in sessions and fields[0] != "Z":  # fields[3]: session id
-                alive.append(int(entry))
-    return alive
-
-
 def _children(pid: int) -> set[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return {int(line) for line in out.split()}
@@ -204,4 +190,4 @@ def test_lazyserve_up_serves_traces_every_process_and_leaves_nothing(receiver, t
         process.send_signal(signal.SIGINT)
         process.wait(timeout=60)
     assert process.returncode == 0
-    assert wait_for(lambda: not _sessions_alive(sessions), timeout=10), "lazyserve up left processes behind"
+    assert wait_for(lambda: not session_members(sessions), timeout=10), "lazyserve up left processes behind"
