@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -26,6 +27,8 @@ console = Console(stderr=True)
 class Stack:
     def __init__(self):
         self.processes: list[tuple[str, subprocess.Popen]] = []
+        # Internal gRPC calls need this token: only processes of this stack can reach the workers.
+        self.token = os.environ.get("LAZYSERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
         # Own session: Ctrl-C in the terminal reaches only `up`, which stops the children in order.
@@ -34,6 +37,7 @@ class Stack:
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            env={**os.environ, "LAZYSERVE_INTERNAL_TOKEN": self.token},
         )
         self.processes.append((name, process))
         return process

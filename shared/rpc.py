@@ -7,10 +7,12 @@ logged with its traceback here and reaches the client only as INTERNAL with no d
 
 from __future__ import annotations
 
+import hmac
 import logging
 from concurrent import futures
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared.transfer.tensors import FrameError
@@ -73,50 +75,125 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
         # A downstream call failed: pass its status on, saying where it came from.
         return error.code(), f"downstream: {error.details()}"
+    if isinstance(error, grpc.RpcError):
+        # A bare RpcError out of a request iterator: the client cancelled or went away.
+        return grpc.StatusCode.CANCELLED, "the client cancelled the stream"
     log.exception("unexpected error in a gRPC handler", exc_info=error)
     return grpc.StatusCode.INTERNAL, "internal error (see the worker's log)"
 
 
+TOKEN_HEADER = "x-lazyserve-token"
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """What a client adds to every internal call when a shared token is configured."""
+    return ((TOKEN_HEADER, token),) if token else ()
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Internal services require the shared token (constant-time comparison); health checks
+    stay open for probes. A refused call never reaches a handler."""
+
+    def __init__(self, token: str):
+        self.token = token.encode()
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {TOKEN_HEADER} metadata")
+
+        self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(details)
+        presented = dict(details.invocation_metadata or ()).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(presented.encode(), self.token):
+            return continuation(details)
+        return self._refusal
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
+    """Errors to status codes, and bytes that do not parse as the request type to
+    INVALID_ARGUMENT (gRPC's own deserializer failure would be an opaque INTERNAL)."""
+
     def intercept_service(self, continuation, details):
         handler = continuation(details)
         if handler is None:
             return None
+        handler = handler._replace(request_deserializer=_lenient(handler.request_deserializer))
+        streaming = handler.request_streaming
         if handler.unary_unary:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, streaming))
         if handler.stream_unary:
-            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, streaming))
         if handler.unary_stream:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
-        return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, streaming))
+        return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, streaming))
 
 
-def _wrap_unary(behavior):
+class _Malformed:
+    """Stands for a request message that did not parse."""
+
+
+MALFORMED = _Malformed()
+
+
+def _lenient(deserialize):
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except DecodeError:
+            return MALFORMED
+
+    return parse
+
+
+def _checked(requests):
+    for request in requests:
+        if request is MALFORMED:
+            raise InvalidArgument("a message that does not parse as this method's request type")
+        yield request
+
+
+def _check(request, streaming: bool):
+    if streaming:
+        return _checked(request)
+    if request is MALFORMED:
+        raise InvalidArgument("the request does not parse as this method's request type")
+    return request
+
+
+def _wrap_unary(behavior, streaming: bool):
     def wrapped(request, context):
         try:
-            return behavior(request, context)
+            return behavior(_check(request, streaming), context)
         except Exception as error:  # translated at the edge, by design
             context.abort(*status_of(error))
 
     return wrapped
 
 
-def _wrap_stream(behavior):
+def _wrap_stream(behavior, streaming: bool):
     def wrapped(request, context):
         try:
-            yield from behavior(request, context)
+            yield from behavior(_check(request, streaming), context)
         except Exception as error:  # translated at the edge, by design
             context.abort(*status_of(error))
 
     return wrapped
 
 
-def make_server(max_workers: int, max_concurrent_rpcs: int | None = None) -> tuple[grpc.Server, health.HealthServicer]:
-    """A server with the error interceptor, raised message limits and grpc.health.v1 (NOT_SERVING
-    until the caller marks it ready)."""
+def make_server(
+    max_workers: int, max_concurrent_rpcs: int | None = None, token: str | None = None
+) -> tuple[grpc.Server, health.HealthServicer]:
+    """A server with the token check (if a token is set), the error interceptor, raised message
+    limits and grpc.health.v1 (NOT_SERVING until the caller marks it ready)."""
+    interceptors = ([TokenInterceptor(token)] if token else []) + [ErrorInterceptor()]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorInterceptor()],
+        interceptors=interceptors,
         options=CHANNEL_OPTIONS,
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )

@@ -232,7 +232,9 @@ class DecodeWorker:
 
 def start_decode_worker(settings: DecodeSettings, loaded: LoadedModel) -> DecodeWorker:
     servicer = DecodeServicer(loaded, settings)
-    server, health = make_server(settings.grpc_workers, max_concurrent_rpcs=settings.grpc_workers - 2)
+    server, health = make_server(
+        settings.grpc_workers, max_concurrent_rpcs=settings.grpc_workers - 2, token=settings.internal_token
+    )
     pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     if port == 0:

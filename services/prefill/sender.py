@@ -29,7 +29,13 @@ EndMaker = Callable[[int], pb.TransferMessage]  # number of frames sent -> the T
 
 class KVSender:
     def __init__(
-        self, address: str, header: pb.TransferMessage, frame_bytes: int, queue_layers: int, timeout_s: float
+        self,
+        address: str,
+        header: pb.TransferMessage,
+        frame_bytes: int,
+        queue_layers: int,
+        timeout_s: float,
+        token: str | None = None,
     ):
         self.address, self.transfer_id = address, header.header.transfer_id
         self.frame_bytes = frame_bytes
@@ -43,7 +49,8 @@ class KVSender:
         self.span.set_attribute("server.address", address)
         carrier: dict[str, str] = {}
         inject(carrier, context=set_span_in_context(self.span))
-        self._future = stub.PushKV.future(self._messages(header), timeout=timeout_s, metadata=tuple(carrier.items()))
+        metadata = tuple(carrier.items()) + rpc.token_metadata(token)
+        self._future = stub.PushKV.future(self._messages(header), timeout=timeout_s, metadata=metadata)
 
     def _count(self, message: pb.TransferMessage) -> pb.TransferMessage:
         kv, aux = payload_bytes(message)

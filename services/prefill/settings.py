@@ -19,6 +19,14 @@ class PrefillSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port (one per actor)")
     advertise_host: str | None = Field(None, description="host others reach this worker at; default: host")
+    # A plain str (not SecretStr): it must survive model_dump_json into the Ray actor; repr=False
+    # keeps it out of logs and reprs.
+    internal_token: str | None = Field(
+        None,
+        repr=False,
+        validation_alias=AliasChoices("internal_token", "LAZYSERVE_INTERNAL_TOKEN"),
+        description="shared token every internal gRPC call must carry",
+    )
     redis_url: str | None = Field(
         None, validation_alias=AliasChoices("redis_url", "LAZYSERVE_REDIS_URL"), description="register here (multi-host mode)"
     )

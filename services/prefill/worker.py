@@ -92,7 +92,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         s = self.settings
         ids = torch.tensor(list(request.prompt_ids), dtype=torch.long)
         header = header_message(request.transfer_id, self.loaded.name, self.model.spec, self.model.dtype, len(ids))
-        sender = KVSender(request.decode_address, header, s.frame_bytes, s.send_queue_layers, deadline - time.monotonic())
+        sender = KVSender(
+            request.decode_address, header, s.frame_bytes, s.send_queue_layers, deadline - time.monotonic(), s.internal_token
+        )
 
         def on_layer(frame) -> None:
             if not context.is_active():
@@ -150,7 +152,7 @@ class PrefillWorker:
 
 def start_prefill_worker(settings: PrefillSettings, loaded: LoadedModel) -> PrefillWorker:
     servicer = PrefillServicer(loaded, settings)
-    server, health = make_server(settings.grpc_workers)
+    server, health = make_server(settings.grpc_workers, token=settings.internal_token)
     pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     if port == 0:

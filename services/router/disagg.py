@@ -29,29 +29,31 @@ class Result:
 
 
 class DecodeClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, token: str | None = None):
         self.address = address
         self.channel = rpc.channel(address)
         self.stub = pb_grpc.DecodeServiceStub(self.channel)
+        self.metadata = rpc.token_metadata(token)
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
-        return self.stub.Generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     def status(self, timeout: float = 5.0) -> pb.WorkerStatus:
-        return self.stub.Status(pb.StatusRequest(), timeout=timeout)
+        return self.stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
 
 
 class PrefillClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, token: str | None = None):
         self.address = address
         self.channel = rpc.channel(address)
         self.stub = pb_grpc.PrefillServiceStub(self.channel)
+        self.metadata = rpc.token_metadata(token)
 
     def prefill(self, request: pb.PrefillRequest, timeout: float | None = None) -> pb.PrefillReply:
-        return self.stub.Prefill(request, timeout=timeout)
+        return self.stub.Prefill(request, timeout=timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

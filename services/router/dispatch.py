@@ -28,7 +28,7 @@ from services.router.policy import Decision, NoWorkerError
 from services.router.tracing import annotate_decision
 from services.router.workers import DECODE_TOKENS, PREFILL_COST, Workers
 from shared.engine import Stats
-from shared.rpc import CHANNEL_OPTIONS
+from shared.rpc import CHANNEL_OPTIONS, token_metadata
 from shared.telemetry import tracer
 from shared.serving import Prepared
 from shared.text import TextModel
@@ -75,8 +75,11 @@ def metadata_of(span) -> tuple[tuple[str, str], ...]:
 
 
 class Dispatcher:
-    def __init__(self, workers: Workers, policy, text: TextModel, metrics: GatewayMetrics, retries: int):
+    def __init__(
+        self, workers: Workers, policy, text: TextModel, metrics: GatewayMetrics, retries: int, token: str | None = None
+    ):
         self.workers, self.policy, self.text, self.metrics, self.retries = workers, policy, text, metrics, retries
+        self.token = token
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -173,7 +176,7 @@ class Dispatcher:
                         sampling=sampling,
                     ),
                     timeout=max(deadline - time.monotonic(), 0.001),
-                    metadata=metadata_of(span),
+                    metadata=metadata_of(span) + token_metadata(self.token),
                 )
                 span.set_attribute("lazyserve.kv_bytes_sent", reply.kv_bytes_sent)
                 span.set_attribute("lazyserve.aux_bytes_sent", reply.aux_bytes_sent)
@@ -191,7 +194,9 @@ class Dispatcher:
             request = pb.GenerateRequest(request_id=request_id, transfer_id=transfer_id)
         span = tracer.start_span("decode", context=parent, kind=SpanKind.CLIENT)
         span.set_attribute("server.address", decision.decode.address)
-        call = decode.Generate(request, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata_of(span))
+        call = decode.Generate(
+            request, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata_of(span) + token_metadata(self.token)
+        )
         try:
             async for response in call:
                 if response.token_ids:

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.router.auth import KeyStore
+from services.router.auth import KeyStore, hash_key
 from services.router.dispatch import DeadlineError, Dispatcher, UpstreamError
 from services.router.metrics import GatewayMetrics
 from services.router.policy import NoWorkerError, make_policy
@@ -44,6 +44,7 @@ from shared.text import TextModel
 
 log = logging.getLogger(__name__)
 
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout", 500: "server_error"}
 
@@ -80,8 +81,13 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
             workers = static_workers(settings, text.name)
     metrics = GatewayMetrics()
     records = RequestRecords(client, settings.request_record_ttl_s) if client is not None else None
-    keys = KeyStore([k.get_secret_value() for k in settings.api_keys], settings.require_api_key, client)
-    dispatcher = Dispatcher(workers, make_policy(settings.routing, settings.local_threshold), text, metrics, settings.retries)
+    required = settings.require_api_key
+    if required is None:  # on by default, except for a gateway only reachable from this host
+        required = settings.host not in LOOPBACK
+    keys = KeyStore([k.get_secret_value() for k in settings.api_keys], required, client)
+    per_key: dict[str, int] = {}
+    policy = make_policy(settings.routing, settings.local_threshold)
+    dispatcher = Dispatcher(workers, policy, text, metrics, settings.retries, settings.internal_token)
     in_flight = 0
 
     @asynccontextmanager
@@ -114,11 +120,13 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
     async def _validation(request: Request, error: RequestValidationError):
         return error_response(RequestError(400, str(error)))
 
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> str:
+        """Check the key; returns who is asking (a key's hash, or the client's address without keys)."""
         header = request.headers.get("authorization", "")
         presented = header[7:].strip() if header.lower().startswith("bearer ") else None
-        if not keys.accepts(presented):
+        if not await run_in_threadpool(keys.accepts, presented):  # may ask Redis: off the loop
             raise RequestError(401, "missing or invalid API key (send it as `Authorization: Bearer KEY`)", code="invalid_api_key")
+        return hash_key(presented) if presented else (request.client.host if request.client else "?")
 
     async def read_body(request: Request) -> dict:
         raw = await request.body()
@@ -164,18 +172,21 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
 
     async def handle(request: Request, url: str, span):
         nonlocal in_flight
-        authorize(request)
+        caller = await authorize(request)
         parsed = parse_request(url, await read_body(request))
         prepared = await run_in_threadpool(prepare, text, parsed)  # tokenizing is CPU work: off the loop
         annotate_request(span, prepared, text.spec.num_layers)
         if in_flight >= settings.max_in_flight:
             raise RequestError(429, f"the gateway has {settings.max_in_flight} requests in progress; retry later")
+        if per_key.get(caller, 0) >= settings.max_streams_per_key:
+            raise RequestError(429, f"this key has {settings.max_streams_per_key} requests in progress; retry later")
         start = time.monotonic()
         request_id = f"req-{uuid.uuid4().hex[:16]}"
         span.set_attribute("gen_ai.response.id", request_id)
         events = dispatcher.run(prepared, request_id, start + settings.request_timeout_s, context_of(span))
         job = TextJob(events, text.tokenizer, prepared, metrics, start)
         in_flight += 1
+        per_key[caller] = per_key.get(caller, 0) + 1
         metrics.in_flight.set(in_flight)
         released = False
 
@@ -184,6 +195,9 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
             if not released:
                 released = True
                 in_flight -= 1
+                per_key[caller] -= 1
+                if not per_key[caller]:
+                    del per_key[caller]
                 metrics.in_flight.set(in_flight)
 
         try:
@@ -248,7 +262,7 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
 
     @app.get("/v1/models")
     async def models(request: Request):
-        authorize(request)
+        await authorize(request)
         return ModelList(data=[ModelCard(id=text.name)]).model_dump()
 
     @app.get("/health")

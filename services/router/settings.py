@@ -33,13 +33,24 @@ class GatewaySettings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # A plain str (not SecretStr): it must survive model_dump_json into the Ray actor; repr=False
+    # keeps it out of logs and reprs.
+    internal_token: str | None = Field(
+        None,
+        repr=False,
+        validation_alias=AliasChoices("internal_token", "LAZYSERVE_INTERNAL_TOKEN"),
+        description="shared token every internal gRPC call must carry",
+    )
     redis_url: str | None = Field(None, validation_alias=AliasChoices("redis_url", "LAZYSERVE_REDIS_URL"))
     prefill_workers: AddressList = Field(default_factory=list, description="static mode: prefill worker addresses")
     decode_workers: AddressList = Field(default_factory=list, description="static mode: decode worker addresses")
     routing: Literal["length", "round_robin"] = "length"
     local_threshold: int = Field(1024, ge=0, description="prompts shorter than this are prefilled on a decode worker")
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list, description="accepted keys; hashed at start")
-    require_api_key: bool = Field(False, description="refuse requests without a valid key even if none is configured")
+    require_api_key: bool | None = Field(
+        None, description="None: required unless the gateway listens on loopback only (local development)"
+    )
+    max_streams_per_key: int = Field(16, ge=1, description="requests in progress per API key (or per client without keys)")
     max_in_flight: int = Field(64, ge=1, description="requests in progress; more get 429")
     request_timeout_s: float = Field(600.0, gt=0, description="past this a request ends with 504")
     max_body_bytes: int = Field(4 << 20, ge=1024)

@@ -32,6 +32,23 @@ def decode_worker():
         worker.stop(grace=0)
 
 
+_session_workers: dict = {}
+
+
+@pytest.fixture(scope="session")
+def decode_worker_session():
+    """start(loaded) -> the address of one decode worker kept for the session (for fuzzing)."""
+
+    def start(loaded):
+        if loaded.name not in _session_workers:
+            _session_workers[loaded.name] = start_decode_worker(DecodeSettings(port=0), loaded)
+        return _session_workers[loaded.name].address
+
+    yield start
+    for worker in _session_workers.values():
+        worker.stop(grace=0)
+
+
 def wait_for(predicate, timeout: float = 10.0, period: float = 0.05):
     """Poll until predicate() is truthy; returns its last value (bounded in time)."""
     deadline = time.monotonic() + timeout

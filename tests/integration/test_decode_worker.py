@@ -102,8 +102,8 @@ def test_a_stream_cut_half_way_is_freed(tiny_llama, decode_worker):
     _, messages = encode_transfer(tiny_llama, random_ids(tiny_llama, 64), CONFIG, PARAMS)
     release = threading.Event()
     call = client.stub.PushKV.future(_held_back(messages, 4, release), timeout=30)
-    assert wait_for(lambda: client.status().transfers_receiving == 1)
-    assert client.status().bytes_held > 0
+    # Receiving, with the first frames written (the header alone opens the transfer with 0 bytes).
+    assert wait_for(lambda: (s := client.status()).transfers_receiving == 1 and s.bytes_held > 0)
     call.cancel()  # the sender goes away mid-stream
     status = wait_for(lambda: (s := client.status()).transfers_rejected == 1 and s)
     assert status and (status.transfers_receiving, status.bytes_held) == (0, 0)

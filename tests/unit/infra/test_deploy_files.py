@@ -22,7 +22,7 @@ PREFIXES = {
     "LAZYSERVE_PREFILL_": PrefillSettings,
     "LAZYSERVE_GATEWAY_": GatewaySettings,
 }
-ALIASES = {"LAZYSERVE_REDIS_URL"}  # read by every service (validation_alias)
+ALIASES = {"LAZYSERVE_REDIS_URL", "LAZYSERVE_INTERNAL_TOKEN"}  # read by every service (validation_alias)
 
 
 def _known(name: str) -> bool:
