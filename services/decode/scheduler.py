@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -32,9 +33,15 @@ class Sequence:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
+# Tokens a sequence may have made that its client has not taken yet. A slow reader pauses its
+# own sequence here (its steps are skipped) instead of buffering without bound or holding the
+# engine; the others keep their turns.
+MAX_UNSENT_TOKENS = 256
+
+
 class Scheduler:
-    def __init__(self, max_sequences: int):
-        self.max_sequences = max_sequences
+    def __init__(self, max_sequences: int, max_unsent: int = MAX_UNSENT_TOKENS):
+        self.max_sequences, self.max_unsent = max_sequences, max_unsent
         self.revived_token_layers = 0  # over finished sequences
         self._active: list[Sequence] = []
         self._lock = threading.Condition()
@@ -75,7 +82,10 @@ class Scheduler:
                         sequence.outbox.put((FAILED, "the decode worker is shutting down"))
                     return
                 turn = list(self._active)
-            for sequence in turn:
+            ready = [s for s in turn if s.cancelled.is_set() or s.outbox.qsize() < self.max_unsent]
+            if not ready:
+                time.sleep(0.005)  # every client is behind: wait for one to read
+            for sequence in ready:
                 if not self._step(sequence):
                     with self._lock:
                         self._active.remove(sequence)

@@ -164,8 +164,10 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
         try:
             response = await handle(request, url, span)
         except Exception as error:
+            # Answered here rather than by a middleware handler: Starlette re-raises what reaches
+            # its catch-all Exception handler, and the client would see a dropped connection.
             finish_request_span(span, error=error, status_code=status_of(error)[0])
-            raise
+            return error_response(error)
         if not isinstance(response, StreamingResponse):
             span.end()  # streaming responses end their span when the stream ends
         return response
@@ -262,7 +264,10 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
 
     @app.get("/v1/models")
     async def models(request: Request):
-        await authorize(request)
+        try:
+            await authorize(request)
+        except Exception as error:
+            return error_response(error)
         return ModelList(data=[ModelCard(id=text.name)]).model_dump()
 
     @app.get("/health")
@@ -271,7 +276,10 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
 
     @app.get("/ready")
     async def ready():
-        live = await run_in_threadpool(workers.list)
+        try:
+            live = await run_in_threadpool(workers.list)
+        except Exception as error:
+            return error_response(error)
         decoders = [w for w in live if w.role == "decode" and w.model == text.name]
         if not decoders:
             return JSONResponse({"status": "no decode worker"}, status_code=503)
