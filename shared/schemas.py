@@ -26,7 +26,7 @@ class _Request(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=1, description="only n=1 is served")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="any 64-bit integer, signed or not")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.router.auth import KeyStore, hash_key
 from services.router.dispatch import DeadlineError, Dispatcher, UpstreamError
 from services.router.metrics import GatewayMetrics
+from services.router.openapi import build_openapi
 from services.router.policy import NoWorkerError, make_policy
 from services.router.records import RequestRecords
 from services.router.responses import TextJob, error_body, stream_events
@@ -96,6 +97,13 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
         await dispatcher.close()
 
     app = FastAPI(title="lazyserve", version="0.1.0", lifespan=lifespan)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.state.metrics, app.state.dispatcher, app.state.workers = metrics, dispatcher, workers
 
     def error_response(error: Exception) -> JSONResponse:

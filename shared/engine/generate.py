@@ -37,7 +37,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Greedy at temperature 0; otherwise nucleus sampling. logits: [vocab]."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    # Shift by the max first and work in float64: a temperature as small as 1e-300 must give the
+    # argmax (probability 1), not inf/inf = NaN (found by schemathesis through the gateway).
+    logits = logits.double()
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always).

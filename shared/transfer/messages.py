@@ -50,7 +50,8 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
     )
     if params.seed is not None:
-        message.seed = params.seed
+        # uint64 on the wire; torch.Generator.manual_seed maps a negative seed the same way.
+        message.seed = params.seed % 2**64
     return message
 
 

@@ -42,3 +42,10 @@ def test_stop_string_cuts_the_text(llm):
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.index(word)]
     assert cut.generation.stats.token_layers_full > 0  # stats filled even when stopped early
+
+
+def test_a_vanishing_temperature_samples_the_argmax():
+    logits = torch.tensor([0.5, 3.0, 2.9, -1.0])
+    for temperature in (1e-300, 5e-324, 1e-12):
+        params = SamplingParams(temperature=temperature, seed=0)
+        assert sample(logits, params, torch.Generator().manual_seed(0)) == 1

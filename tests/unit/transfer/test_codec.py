@@ -213,3 +213,14 @@ def test_a_stream_must_start_with_its_header(tiny_llama):
     bad = pb.TransferMessage(header=pb.TransferHeader(transfer_id="x" * 500))
     with pytest.raises(FrameError, match="transfer_id"):
         _assemble(tiny_llama, [bad])
+
+
+def test_a_negative_seed_crosses_the_wire_as_the_same_generator():
+    import torch
+
+    from shared.transfer import sampling_from_pb, sampling_to_pb
+
+    params = SamplingParams(max_new_tokens=2, temperature=0.7, seed=-18024)
+    back = sampling_from_pb(sampling_to_pb(params), vocab_size=100)
+    mine, theirs = torch.Generator().manual_seed(params.seed), torch.Generator().manual_seed(back.seed)
+    assert torch.equal(mine.get_state(), theirs.get_state())
