@@ -260,6 +260,8 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
             annotate_stats(span, job.stats)
         span.set_attribute("gen_ai.response.finish_reasons", [job.finish_reason])
         response = build_response(text.name, parsed, prepared, job.text, job.finish_reason, job.stats)
+        final = job.decision  # after a retry, where the answer really came from
+        headers |= {"x-lazyserve-route": final.kind, "x-lazyserve-decode": final.decode.address}
         return JSONResponse(response.model_dump(), headers=headers)
 
     @app.post(CHAT_URL)

@@ -42,7 +42,8 @@ def test_a_decode_worker_killed_mid_stream(tiny_llama, gateway, redis_url, flush
         with pytest.raises(openai.APIError) as error:  # the stream ends with an error event, not a hang
             for _ in chunks:
                 pass
-        assert time.monotonic() - started < 10
+        ended = time.monotonic() - started
+        assert ended < 10
         assert "failed" in error.value.message
         # Still registered for up to its TTL: requests sent there now fail before their first token
         # and are retried on the live worker.
@@ -51,6 +52,8 @@ def test_a_decode_worker_killed_mid_stream(tiny_llama, gateway, redis_url, flush
             assert reply.parse().usage.completion_tokens == 2
         alive = [a for a in workers if a != victim]
         assert wait_for(lambda: [w.address for w in list_workers(connect(redis_url))] == alive, timeout=4)
+        gone = time.monotonic() - started
+        print(f"\ndecode worker SIGKILLed: error event after {ended:.2f} s, out of the registry after {gone:.2f} s")
         reply = client.completions.with_raw_response.create(model="m", prompt=[1, 2, 3], max_tokens=2)
         assert reply.headers["x-lazyserve-decode"] == alive[0]
     finally:
@@ -79,8 +82,11 @@ def test_a_killed_prefill_actor_is_restarted_and_no_request_hangs(local_ray, tin
         started = time.monotonic()
         during = client.completions.with_raw_response.create(model="m", prompt=ids, max_tokens=3)
         assert during.parse().usage.completion_tokens == 3
-        assert time.monotonic() - started < 30
+        assert during.headers["x-lazyserve-route"] == "local"  # the retry's route, said in the header
+        answered = time.monotonic() - started
+        assert answered < 30
         assert wait_for(lambda: ray.get(actor.pid.remote(), timeout=60) != pid, timeout=90)  # Ray restarted it
+        restarted = time.monotonic() - started
         assert actor_addresses([actor]) == [address]  # same fixed port
 
         def disaggregated_again():
@@ -88,6 +94,8 @@ def test_a_killed_prefill_actor_is_restarted_and_no_request_hangs(local_ray, tin
             return reply.headers["x-lazyserve-route"] == "disaggregated"
 
         assert wait_for(disaggregated_again, timeout=30)
+        print(f"\nprefill actor SIGKILLed: answered ({during.headers['x-lazyserve-route']}) in {answered:.2f} s, "
+              f"restarted by Ray within {restarted:.2f} s")
     finally:
         ray.kill(actor)
 
@@ -119,7 +127,8 @@ def test_the_gateway_answers_503_while_redis_is_down_and_recovers(tiny_llama, de
         with pytest.raises(openai.InternalServerError) as error:
             client.completions.create(model="m", prompt=[1, 2], max_tokens=1)
         assert error.value.status_code == 503 and "Redis" in error.value.body["message"]
-        assert time.monotonic() - started < 10
+        refused = time.monotonic() - started
+        assert refused < 10
         server = _redis_server(port)  # back, empty: the worker's heartbeat registers it again
 
         def served():
@@ -128,7 +137,9 @@ def test_the_gateway_answers_503_while_redis_is_down_and_recovers(tiny_llama, de
             except openai.APIStatusError:
                 return False
 
+        back = time.monotonic()
         assert wait_for(served, timeout=15), "the gateway did not recover after Redis came back"
+        print(f"\nRedis down: 503 in {refused:.2f} s; serving again {time.monotonic() - back:.2f} s after Redis restarted")
     finally:
         if heartbeat is not None:
             heartbeat.stop()

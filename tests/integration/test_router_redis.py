@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import openai
 import pytest
@@ -89,3 +90,17 @@ def test_requests_are_recorded_with_a_ttl(tiny_llama, decode_worker, gateway, re
     assert record and record["route"] == "local" and int(record["completion_tokens"]) == 3
     assert float(record["ttft_s"]) > 0 and float(record["e2e_s"]) >= float(record["ttft_s"])
     assert 0 < flush_redis.ttl(key) <= 600
+
+
+def test_a_dead_routers_load_expires_and_a_live_ones_stays(redis_url, flush_redis):
+    dead, live, reader = RedisWorkers(redis_url, ttl_s=1.0), RedisWorkers(redis_url, ttl_s=1.0), RedisWorkers(redis_url)
+    dead.add_load(DECODE_TOKENS, "w1", 100)
+    live.add_load(DECODE_TOKENS, "w1", 50)
+    assert reader.loads(DECODE_TOKENS) == {"w1": 150}
+    dead.close()  # as if that router process were killed mid-request: it never subtracts its 100
+    assert wait_for(lambda: reader.loads(DECODE_TOKENS) == {"w1": 50}, timeout=5)
+    time.sleep(1.5)  # past the TTL: the live router keeps its share alive
+    assert reader.loads(DECODE_TOKENS) == {"w1": 50}
+    assert flush_redis.smembers("lazyserve:routers") == {live.router_id}
+    live.close()
+    reader.close()
