@@ -8,7 +8,6 @@ rise of the process's resident set during a call, sampled every few milliseconds
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time

@@ -33,3 +33,23 @@ def encode_transfer(
     first = int(logits.argmax())
     messages.append(end_message(transfer_id, ids, first, config, params, b"", len(messages) - 1, Stats()))
     return cache, messages
+
+
+def assemble(loaded, messages):
+    """Feed transfer messages to a TransferAssembler for `loaded`'s model; the Assembled, if an end came."""
+    from shared.transfer import FrameError, TransferAssembler
+
+    model = loaded.engine
+    assembler = TransferAssembler(loaded.name, model.spec, model.dtype, model.device, model.spec.max_positions)
+    result = None
+    for message in messages:
+        kind = message.WhichOneof("kind")
+        if kind == "header":
+            assembler.header(message.header)
+        elif kind == "frame":
+            assembler.frame(message.frame)
+        elif kind == "end":
+            result = assembler.end(message.end)
+        else:
+            raise FrameError("empty message")
+    return result

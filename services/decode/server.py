@@ -36,8 +36,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from shared.models import LoadedModel
 from shared.telemetry import extract_context, tracer
 from shared.rpc import Cancelled, InvalidArgument, Unavailable, make_server, set_serving
-from shared.transfer import FrameError, TransferAssembler, payload_bytes, pruning_from_pb, sampling_from_pb, stats_to_pb
-from shared.transfer.messages import check_token_ids
+from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb
+from shared.transfer.messages import prompt_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -175,18 +175,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         raise InvalidArgument("GenerateRequest needs a transfer_id or a prompt")
 
     def _local_request(self, prompt: pb.LocalPrompt) -> tuple[torch.Tensor, PruneConfig, SamplingParams]:
-        spec = self.model.spec
-        n = len(prompt.prompt_ids)
-        if n == 0:
-            raise InvalidArgument("prompt_ids is empty")
-        check_token_ids(prompt.prompt_ids, spec.vocab_size, "prompt_ids")
-        config = pruning_from_pb(prompt.pruning, spec.num_layers)
-        params = sampling_from_pb(prompt.sampling, spec.vocab_size)
-        if n + params.max_new_tokens > spec.max_positions:
-            raise InvalidArgument(
-                f"{n} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the context of {spec.max_positions}"
-            )
-        return torch.tensor(list(prompt.prompt_ids), dtype=torch.long), config, params
+        ids, config, params = prompt_from_pb(prompt.prompt_ids, prompt.pruning, prompt.sampling, self.model.spec)
+        return torch.tensor(ids, dtype=torch.long), config, params
 
     def _local_tokens(self, sequence: Sequence, ids: torch.Tensor, config: PruneConfig, params: SamplingParams):
         """A short prompt prefilled on this worker: no transfer. Runs on the engine thread."""

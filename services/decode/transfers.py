@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shared.rpc import AlreadyExists, DeadlineExceeded, NotFound, ResourceExhausted
 from shared.transfer import Assembled, TransferAssembler

@@ -5,32 +5,16 @@ The engine's own settings (model, device, dtype, threads) are the shared LAZYSER
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
-from shared.settings import EngineSettings
+from shared.settings import WorkerSettings
 from shared.transfer import DEFAULT_FRAME_BYTES
 
 
-class PrefillSettings(BaseSettings):
+class PrefillSettings(WorkerSettings):
     model_config = SettingsConfigDict(env_prefix="LAZYSERVE_PREFILL_", extra="ignore")
 
-    engine: EngineSettings = Field(default_factory=EngineSettings)
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535, description="0 picks a free port (one per actor)")
-    advertise_host: str | None = Field(None, description="host others reach this worker at; default: host")
-    # A plain str (not SecretStr): it must survive model_dump_json into the Ray actor; repr=False
-    # keeps it out of logs and reprs.
-    internal_token: str | None = Field(
-        None,
-        repr=False,
-        validation_alias=AliasChoices("internal_token", "LAZYSERVE_INTERNAL_TOKEN"),
-        description="shared token every internal gRPC call must carry",
-    )
-    redis_url: str | None = Field(
-        None, validation_alias=AliasChoices("redis_url", "LAZYSERVE_REDIS_URL"), description="register here (multi-host mode)"
-    )
-    heartbeat_ttl_s: float = Field(3.0, gt=0, description="registration TTL; refreshed every third of it")
     frame_bytes: int = Field(DEFAULT_FRAME_BYTES, ge=4096, le=4 << 20, description="tensor payload per frame, KV and Aux each")
     send_queue_layers: int = Field(8, ge=1, description="layers computed ahead of the sender before prefill waits")
     transfer_timeout_s: float = Field(120.0, gt=0, description="deadline of a transfer when the caller set none")

@@ -25,8 +25,8 @@ from opentelemetry.trace import SpanKind
 
 from shared.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, set_serving
 from shared.telemetry import extract_context, tracer
-from shared.transfer import end_message, header_message, pruning_from_pb, sampling_from_pb, stats_to_pb
-from shared.transfer.messages import check_token_ids
+from shared.transfer import end_message, header_message, stats_to_pb
+from shared.transfer.messages import prompt_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +50,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         spec = self.model.spec
         if not request.transfer_id or not request.decode_address:
             raise InvalidArgument("transfer_id and decode_address are required")
+        _, config, params = prompt_from_pb(request.prompt_ids, request.pruning, request.sampling, spec)
         n = len(request.prompt_ids)
-        if n == 0:
-            raise InvalidArgument("prompt_ids is empty")
-        check_token_ids(request.prompt_ids, spec.vocab_size, "prompt_ids")
-        config = pruning_from_pb(request.pruning, spec.num_layers)
-        params = sampling_from_pb(request.sampling, spec.vocab_size)
-        if n + params.max_new_tokens > spec.max_positions:
-            raise InvalidArgument(
-                f"{n} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the context of {spec.max_positions}"
-            )
         timeout = context.time_remaining()
         timeout = self.settings.transfer_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout

@@ -119,7 +119,7 @@ class Dispatcher:
             except NoWorkerError:
                 if attempt == 0:
                     raise
-                raise UpstreamError(f"the request failed and no other worker is live to retry it") from None
+                raise UpstreamError("the request failed and no other worker is live to retry it") from None
             yield decision  # for the gateway's trace and response headers; not a token
             emitted = False
             self._add_load(decision, +1)

@@ -1,8 +1,8 @@
 """The OpenAI-compatible REST gateway (FastAPI): auth, validation, admission, routing, responses.
 
-Errors leave in OpenAI's format from one place (the exception handlers below): 400 bad input or
-context overflow, 401 key, 413 body size, 429 queue bound, 503 no worker, 504 deadline. Anything
-unexpected is logged here and answered 500 without internals.
+Errors leave in OpenAI's format, translated in one place (errors.status_of): 400 bad input or
+context overflow, 401 key, 413 body size, 429 queue or per-key bound, 503 no worker or Redis down,
+504 deadline. Anything unexpected is logged and answered 500 without internals.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
-import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -22,12 +21,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.auth import KeyStore, hash_key
-from services.router.dispatch import DeadlineError, Dispatcher, UpstreamError
+from services.router.dispatch import Dispatcher
 from services.router.metrics import GatewayMetrics
 from services.router.openapi import build_openapi
-from services.router.policy import NoWorkerError, make_policy
+from services.router.policy import make_policy
 from services.router.records import RequestRecords
-from services.router.responses import TextJob, error_body, stream_events
+from services.router.errors import status_of
+from services.router.responses import TextJob, stream_events
 from services.router.settings import GatewaySettings
 from services.router.tracing import (
     annotate_decision,
@@ -46,30 +46,10 @@ from shared.text import TextModel
 log = logging.getLogger(__name__)
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout", 500: "server_error"}
-
-
 def static_workers(settings: GatewaySettings, model: str) -> StaticWorkers:
     workers = [WorkerInfo(worker_id=f"prefill@{a}", role="prefill", address=a, model=model) for a in settings.prefill_workers]
     workers += [WorkerInfo(worker_id=f"decode@{a}", role="decode", address=a, model=model) for a in settings.decode_workers]
     return StaticWorkers(workers)
-
-
-def status_of(error: Exception) -> tuple[int, object]:
-    """The one translation of failures into HTTP statuses and OpenAI error bodies."""
-    if isinstance(error, RequestError):
-        return error.status_code, error_body(error.message, KINDS.get(error.status_code, "invalid_request_error"), error.code, error.param)
-    if isinstance(error, NoWorkerError):
-        return 503, error_body(f"no worker can take the request: {error}", KINDS[503], "no_worker")
-    if isinstance(error, UpstreamError):
-        return 503, error_body(str(error), KINDS[503], "upstream_failed")
-    if isinstance(error, DeadlineError):
-        return 504, error_body(str(error), KINDS[504], "deadline_exceeded")
-    if isinstance(error, redis.RedisError):
-        return 503, error_body("shared state (Redis) is unavailable; retry shortly", KINDS[503], "state_unavailable")
-    log.error("unexpected error", exc_info=error)
-    return 500, error_body("internal error (see the gateway's log)", KINDS[500], "internal_error")
 
 
 def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | None = None) -> FastAPI:
@@ -95,6 +75,8 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
     async def lifespan(app):
         yield
         await dispatcher.close()
+        if isinstance(workers, RedisWorkers):
+            workers.close()
 
     app = FastAPI(title="lazyserve", version="0.1.0", lifespan=lifespan)
 

@@ -22,7 +22,6 @@ from shared.schemas import (
     ChatDelta,
     CompletionChunk,
     CompletionChunkChoice,
-    ErrorBody,
 )
 from shared.serving import Prepared, metrics_of, usage_of
 from shared.text import Detokenizer
@@ -128,7 +127,3 @@ def _chat_dump(body: ChatCompletionChunk) -> dict:
     for choice, model in zip(data["choices"], body.choices):
         choice["finish_reason"] = model.finish_reason
     return data
-
-
-def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> ErrorBody:
-    return ErrorBody(message=message, type=kind, code=code, param=param)

@@ -114,4 +114,7 @@ class RedisWorkers:
                 log.warning("could not refresh this router's load share: %s", error)
 
     def close(self) -> None:
+        """Stop refreshing this router's share (it then expires) and release the connection."""
         self._stop.set()
+        self._refresher.join(timeout=5)
+        self.client.close()

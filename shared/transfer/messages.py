@@ -73,6 +73,21 @@ def sampling_from_pb(message: pb.SamplingParams, vocab_size: int) -> SamplingPar
     )
 
 
+def prompt_from_pb(prompt_ids, pruning: pb.PruneConfig, sampling: pb.SamplingParams, spec) -> tuple[list[int], PruneConfig, SamplingParams]:
+    """A prompt and its parameters as received, checked against the model (spec: ModelSpec)."""
+    if len(prompt_ids) == 0:
+        raise FrameError("prompt_ids is empty")
+    check_token_ids(prompt_ids, spec.vocab_size, "prompt_ids")
+    config = pruning_from_pb(pruning, spec.num_layers)
+    params = sampling_from_pb(sampling, spec.vocab_size)
+    if len(prompt_ids) + params.max_new_tokens > spec.max_positions:
+        raise FrameError(
+            f"{len(prompt_ids)} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the context of "
+            f"{spec.max_positions}"
+        )
+    return list(prompt_ids), config, params
+
+
 def check_token_ids(ids, vocab_size: int, name: str) -> None:
     bad = [token for token in ids if token >= vocab_size]
     if bad:

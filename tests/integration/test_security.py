@@ -3,7 +3,6 @@ stream limits, bytes that are not a request, oversized messages, and no unpickli
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
-from helpers import encode_transfer, random_ids
+from helpers import assemble, encode_transfer, random_ids
 from shared.engine import PruneConfig, SamplingParams
-from shared.transfer import FrameError, TransferAssembler
+from shared.transfer import FrameError
 from shared.transfer.tensors import frame_checksum
 
 CONFIG = PruneConfig(stages=((1, 0.5), (3, 0.25)))
@@ -20,27 +20,12 @@ def _encode(loaded, config=CONFIG, budget=1 << 20, params=SamplingParams(max_new
     return encode_transfer(loaded, random_ids(loaded, N), config, params, budget=budget)
 
 
-def _assemble(loaded, messages):
-    model = loaded.engine
-    assembler = TransferAssembler(loaded.name, model.spec, model.dtype, model.device, model.spec.max_positions)
-    result = None
-    for message in messages:
-        kind = message.WhichOneof("kind")
-        if kind == "header":
-            assembler.header(message.header)
-        elif kind == "frame":
-            assembler.frame(message.frame)
-        else:
-            result = assembler.end(message.end)
-    return result
-
-
 @pytest.mark.parametrize("budget", [1 << 20, 2048], ids=["one-frame-per-layer", "chunked"])
 def test_assembled_cache_equals_the_senders(tiny_llama, budget):
     cache, messages = _encode(tiny_llama, budget=budget)
     if budget == 2048:
         assert len(messages) > 2 + 2 * tiny_llama.engine.spec.num_layers  # layers really span several frames
-    got = _assemble(tiny_llama, messages).cache
+    got = assemble(tiny_llama, messages).cache
     for mine, theirs in zip(got.layers, cache.layers):
         assert torch.equal(mine.positions, theirs.positions)
         assert torch.equal(mine.k, theirs.k) and torch.equal(mine.v, theirs.v)
@@ -127,24 +112,24 @@ def test_corrupt_frame_is_refused(tiny_llama, name):
     _, messages = _encode(tiny_llama)
     corrupt(_frame(messages, layer))
     with pytest.raises(FrameError, match=reason):
-        _assemble(tiny_llama, messages)
+        assemble(tiny_llama, messages)
 
 
 def test_frames_out_of_layer_order_are_refused(tiny_llama):
     _, messages = _encode(tiny_llama)
     swapped = messages[:2] + [messages[3], messages[2]] + messages[4:]
     with pytest.raises(FrameError, match="layer skipped"):
-        _assemble(tiny_llama, swapped)
+        assemble(tiny_llama, swapped)
     back = messages[:4] + [messages[2]] + messages[4:]
     with pytest.raises(FrameError, match="must not go back"):
-        _assemble(tiny_llama, back)
+        assemble(tiny_llama, back)
 
 
 def test_a_token_layer_sent_twice_is_refused(tiny_llama):
     _, messages = _encode(tiny_llama)
     messages.insert(2, messages[1])
     with pytest.raises(FrameError, match="a token-layer twice"):
-        _assemble(tiny_llama, messages)
+        assemble(tiny_llama, messages)
 
 
 def test_a_missing_layer_is_refused(tiny_llama):
@@ -152,7 +137,7 @@ def test_a_missing_layer_is_refused(tiny_llama):
     del messages[2]  # layer 1's frame
     messages[-1].end.num_frames -= 1
     with pytest.raises(FrameError, match="layer skipped"):
-        _assemble(tiny_llama, messages)
+        assemble(tiny_llama, messages)
 
 
 def test_a_missing_aux_entry_is_refused(tiny_llama):
@@ -165,23 +150,23 @@ def test_a_missing_aux_entry_is_refused(tiny_llama):
     frame.aux_hidden.data = frame.aux_hidden.data[row:]
     _reseal(frame)
     with pytest.raises(FrameError, match="Aux Cache of layer 1"):
-        _assemble(tiny_llama, messages)
+        assemble(tiny_llama, messages)
 
 
 def test_frame_count_mismatch_is_refused(tiny_llama):
     _, messages = _encode(tiny_llama)
     messages[-1].end.num_frames += 1
     with pytest.raises(FrameError, match="frames; .* arrived"):
-        _assemble(tiny_llama, messages)
+        assemble(tiny_llama, messages)
 
 
 def test_a_model_that_does_not_match_is_refused(tiny_llama, smollm2):
     _, messages = _encode(tiny_llama)
     with pytest.raises(FrameError, match="header model"):
-        _assemble(smollm2, messages)
+        assemble(smollm2, messages)
     messages[0].header.model = smollm2.name
     with pytest.raises(FrameError, match="num_layers"):
-        _assemble(smollm2, messages)
+        assemble(smollm2, messages)
 
 
 @pytest.mark.parametrize(
@@ -203,16 +188,16 @@ def test_bad_end_is_refused(tiny_llama, edit, reason):
     _, messages = _encode(tiny_llama)
     edit(messages[-1].end)
     with pytest.raises(FrameError, match=reason):
-        _assemble(tiny_llama, messages)
+        assemble(tiny_llama, messages)
 
 
 def test_a_stream_must_start_with_its_header(tiny_llama):
     _, messages = _encode(tiny_llama)
     with pytest.raises(FrameError, match="header"):
-        _assemble(tiny_llama, messages[1:])
+        assemble(tiny_llama, messages[1:])
     bad = pb.TransferMessage(header=pb.TransferHeader(transfer_id="x" * 500))
     with pytest.raises(FrameError, match="transfer_id"):
-        _assemble(tiny_llama, [bad])
+        assemble(tiny_llama, [bad])
 
 
 def test_a_negative_seed_crosses_the_wire_as_the_same_generator():

@@ -8,10 +8,10 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import encode_transfer, random_ids
+from helpers import assemble, encode_transfer, random_ids
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from shared.engine import PruneConfig, SamplingParams
-from shared.transfer import FrameError, TransferAssembler
+from shared.transfer import FrameError
 
 CONFIG = PruneConfig(stages=((1, 0.5), (3, 0.25)))
 
@@ -26,21 +26,6 @@ def _transfer(loaded) -> list[bytes]:
         _, messages = encode_transfer(loaded, random_ids(loaded, 48), CONFIG, SamplingParams(max_new_tokens=4), budget=2048)
         _encoded.extend(m.SerializeToString() for m in messages)
     return list(_encoded)
-
-
-def _feed(loaded, messages) -> None:
-    model = loaded.engine
-    assembler = TransferAssembler(loaded.name, model.spec, model.dtype, model.device, model.spec.max_positions)
-    for message in messages:
-        kind = message.WhichOneof("kind")
-        if kind == "header":
-            assembler.header(message.header)
-        elif kind == "frame":
-            assembler.frame(message.frame)
-        elif kind == "end":
-            assembler.end(message.end)
-        else:
-            raise FrameError("empty message")
 
 
 def _mutate(data: bytes, position: int, value: int) -> bytes:
@@ -100,7 +85,7 @@ def test_mutated_streams_are_refused_cleanly(tiny_llama, edits):
     except DecodeError:  # not even a protobuf: the gRPC layer answers INVALID_ARGUMENT (tested there)
         return
     try:
-        _feed(tiny_llama, messages)
+        assemble(tiny_llama, messages)
     except FrameError:
         pass
 
@@ -122,4 +107,4 @@ def test_arbitrary_frames_are_refused_cleanly(tiny_llama, layer, positions, shap
         aux_positions=positions, aux_hidden=tensor, crc32=crc,
     )
     with pytest.raises(FrameError):
-        _feed(tiny_llama, [header, pb.TransferMessage(frame=frame), pb.TransferMessage(end=pb.TransferEnd(transfer_id="t1"))])
+        assemble(tiny_llama, [header, pb.TransferMessage(frame=frame), pb.TransferMessage(end=pb.TransferEnd(transfer_id="t1"))])

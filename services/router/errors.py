@@ -1,0 +1,38 @@
+"""The one translation of failures into HTTP statuses and OpenAI error bodies, for the gateway."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from services.router.dispatch import DeadlineError, UpstreamError
+from services.router.policy import NoWorkerError
+from shared.schemas import ErrorBody
+from shared.serving import RequestError
+
+log = logging.getLogger(__name__)
+
+KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout", 500: "server_error"}
+
+
+
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> ErrorBody:
+    return ErrorBody(message=message, type=kind, code=code, param=param)
+
+
+def status_of(error: Exception) -> tuple[int, object]:
+    """The one translation of failures into HTTP statuses and OpenAI error bodies."""
+    if isinstance(error, RequestError):
+        return error.status_code, error_body(error.message, KINDS.get(error.status_code, "invalid_request_error"), error.code, error.param)
+    if isinstance(error, NoWorkerError):
+        return 503, error_body(f"no worker can take the request: {error}", KINDS[503], "no_worker")
+    if isinstance(error, UpstreamError):
+        return 503, error_body(str(error), KINDS[503], "upstream_failed")
+    if isinstance(error, DeadlineError):
+        return 504, error_body(str(error), KINDS[504], "deadline_exceeded")
+    if isinstance(error, redis.RedisError):
+        return 503, error_body("shared state (Redis) is unavailable; retry shortly", KINDS[503], "state_unavailable")
+    log.error("unexpected error", exc_info=error)
+    return 500, error_body("internal error (see the gateway's log)", KINDS[500], "internal_error")
