@@ -203,6 +203,17 @@ def make_server(
     return server, health_servicer
 
 
+def start_serving(server: grpc.Server, health_servicer, host: str, port: int, advertise_host: str | None,
+                  services: list[str]) -> str:
+    """Bind, start, mark SERVING; returns the address others dial (the OS picks the port for 0)."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    set_serving(health_servicer, services)
+    return f"{advertise_host or host}:{bound}"
+
+
 def set_serving(health_servicer: health.HealthServicer, services: list[str]) -> None:
     for name in ["", *services]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

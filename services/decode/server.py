@@ -35,7 +35,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared.models import LoadedModel
 from shared.telemetry import extract_context, tracer
-from shared.rpc import Cancelled, InvalidArgument, Unavailable, make_server, set_serving
+from shared.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
 from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb
 from shared.transfer.messages import prompt_from_pb
 
@@ -226,11 +226,6 @@ def start_decode_worker(settings: DecodeSettings, loaded: LoadedModel) -> Decode
         settings.grpc_workers, max_concurrent_rpcs=settings.grpc_workers - 2, token=settings.internal_token
     )
     pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {settings.host}:{settings.port}")
-    server.start()
-    set_serving(health, [SERVICE])
-    address = f"{settings.advertise_host or settings.host}:{port}"
+    address = start_serving(server, health, settings.host, settings.port, settings.advertise_host, [SERVICE])
     log.info("decode worker serving %s on %s", loaded.name, address)
     return DecodeWorker(server, servicer, address)

@@ -23,7 +23,7 @@ from shared.engine import Sampler, Stats, fill_prefill_stats, prefill
 from shared.models import LoadedModel
 from opentelemetry.trace import SpanKind
 
-from shared.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, set_serving
+from shared.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, start_serving
 from shared.telemetry import extract_context, tracer
 from shared.transfer import end_message, header_message, stats_to_pb
 from shared.transfer.messages import prompt_from_pb
@@ -146,11 +146,6 @@ def start_prefill_worker(settings: PrefillSettings, loaded: LoadedModel) -> Pref
     servicer = PrefillServicer(loaded, settings)
     server, health = make_server(settings.grpc_workers, token=settings.internal_token)
     pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {settings.host}:{settings.port}")
-    server.start()
-    set_serving(health, [SERVICE])
-    address = f"{settings.advertise_host or settings.host}:{port}"
+    address = start_serving(server, health, settings.host, settings.port, settings.advertise_host, [SERVICE])
     log.info("prefill worker serving %s on %s", loaded.name, address)
     return PrefillWorker(server, servicer, address)

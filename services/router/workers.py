@@ -66,8 +66,9 @@ class RedisWorkers:
         self.router_id = uuid.uuid4().hex[:12]
         self.ttl_s = ttl_s
         self._stop = threading.Event()
+        # Started by the first add_load: a replica that only reads holds no share to keep alive.
+        self._starting = threading.Lock()
         self._refresher = threading.Thread(target=self._refresh, name="load-refresh", daemon=True)
-        self._refresher.start()
 
     def list(self) -> list[WorkerInfo]:
         return list_workers(self.client)
@@ -77,6 +78,9 @@ class RedisWorkers:
 
     def add_load(self, kind: str, worker_id: str, amount: float) -> None:
         key = self._key(kind, self.router_id)
+        with self._starting:
+            if self._refresher.ident is None and not self._stop.is_set():
+                self._refresher.start()
         with self.client.pipeline() as pipe:
             pipe.hincrbyfloat(key, worker_id, amount)
             pipe.pexpire(key, int(self.ttl_s * 1000))
@@ -116,5 +120,6 @@ class RedisWorkers:
     def close(self) -> None:
         """Stop refreshing this router's share (it then expires) and release the connection."""
         self._stop.set()
-        self._refresher.join(timeout=5)
+        if self._refresher.is_alive():
+            self._refresher.join(timeout=5)
         self.client.close()
