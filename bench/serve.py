@@ -132,20 +132,6 @@ def _start(args: list[str], ready: str, env=None):
     return process, None
 
 
-def _wait_http(url: str, timeout: float = 120.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"gateway at {url} not ready")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lazyserve bench serve", description=__doc__)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -169,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.common import reference_text
     from services.prefill.actor import actor_addresses, ensure_ray, launch_prefill_actors
     from services.prefill.settings import PrefillSettings
+    from services.up import wait_for_gateway
     from shared.settings import EngineSettings
     from shared.text import load_text_model
 
@@ -207,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             url = f"http://127.0.0.1:{port}"
             try:
-                _wait_http(url)
+                wait_for_gateway(url, 120.0)
                 asyncio.run(replay(url, [(0.0, 300)], [prompts[0][:300]], 2, 120))  # warm-up
                 start = time.monotonic()
                 outcomes = asyncio.run(replay(url, items, prompts, args.max_tokens, args.max_seconds))

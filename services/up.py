@@ -105,7 +105,7 @@ def up(model: str | None, port: int, decode_workers: int, prefill_actors: int, t
         with console.status("starting the gateway"):
             stack.start("gateway", gateway_args)
             url = f"http://127.0.0.1:{port}"
-            _wait_ready(url, timeout, stop)
+            wait_for_gateway(url, timeout, stop)
         print(f"READY gateway {url}", flush=True)
         console.print(
             f"\n[bold]lazyserve is up[/bold] at {url}/v1 (Ctrl-C stops everything)\n\n"
@@ -129,9 +129,10 @@ def up(model: str | None, port: int, decode_workers: int, prefill_actors: int, t
         console.print("stopped")
 
 
-def _wait_ready(url: str, timeout: float, stop: threading.Event) -> None:
+def wait_for_gateway(url: str, timeout: float, stop: threading.Event | None = None) -> None:
+    """Poll the gateway's /ready until it answers 200 (bounded by timeout, or until stop is set)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not stop.is_set():
+    while time.monotonic() < deadline and not (stop and stop.is_set()):
         try:
             if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
                 return
