@@ -135,7 +135,8 @@ def _children(pid: int) -> set[int]:
     return {int(line) for line in out.split()}
 
 
-def test_lazyserve_up_serves_traces_every_process_and_leaves_nothing(receiver, tiny_llama):
+def test_lazyserve_up_serves_traces_every_process_and_leaves_nothing(spans, receiver, tiny_llama):
+    # spans: the SDK provider, so that the client root span below is real and has a trace id.
     servicer, endpoint = receiver
     port = free_port()
     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_EXPORTER": "otlp",
