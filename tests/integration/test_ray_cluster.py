@@ -44,6 +44,23 @@ def ray_cluster():
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def _connect_driver(address: str, env: dict) -> subprocess.CompletedProcess:
+    code = f"import ray; ray.init(address={address!r}); print('connected', len(ray.nodes()))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_driver_without_the_clusters_token_is_refused(ray_cluster):
+    address, ray_env, _ = ray_cluster
+    # A refused driver retries its connection about once a second, 20 times by default: 3 is enough.
+    quick = {**ray_env, "RAY_NUM_REDIS_GET_RETRIES": "3"}
+    wrong = _connect_driver(address, {**quick, "RAY_AUTH_TOKEN": secrets.token_hex(16)})
+    assert wrong.returncode != 0 and "AuthenticationError" in wrong.stderr, wrong.stderr[-2000:]
+    anonymous = _connect_driver(address, {k: v for k, v in quick.items() if not k.startswith("RAY_AUTH")})
+    assert anonymous.returncode != 0 and "AuthenticationError" in anonymous.stderr, anonymous.stderr[-2000:]
+    right = _connect_driver(address, ray_env)
+    assert right.returncode == 0 and "connected 2" in right.stdout, right.stderr[-2000:]
+
+
 def test_chat_completion_through_a_two_node_ray_cluster(ray_cluster, redis_url, flush_redis):
     address, ray_env, sessions = ray_cluster
     redis_env = {"LAZYSERVE_REDIS_URL": redis_url}
