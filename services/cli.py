@@ -78,6 +78,28 @@ def cmd_up(args) -> int:
     return up(args.model, args.port, args.decode_workers, args.prefill_actors, args.threads, args.local_threshold)
 
 
+def cmd_certs(args) -> int:
+    from shared.certs import DEFAULT_HOSTS, make_dev_certs
+
+    paths = make_dev_certs(Path(args.out), args.host or list(DEFAULT_HOSTS), args.days)
+    print(
+        f"export LAZYSERVE_TLS_CA={paths['ca'].resolve()} LAZYSERVE_TLS_CERT={paths['cert'].resolve()} "
+        f"LAZYSERVE_TLS_KEY={paths['key'].resolve()}"
+    )
+    return 0
+
+
+def cmd_health(args) -> int:
+    from shared.rpc import check_health
+    from shared.settings import InternalAuthSettings
+
+    # The same LAZYSERVE_TLS_* / token environment as the worker: a probe under mutual TLS must
+    # present the certificate too.
+    healthy = check_health(args.address, args.timeout, args.service, InternalAuthSettings().internal_auth())
+    print("SERVING" if healthy else "NOT SERVING", file=sys.stderr)
+    return 0 if healthy else 1
+
+
 def cmd_bench(args, rest: list[str]) -> int:
     import importlib
 
@@ -130,6 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--local-threshold", type=int, default=None, help="prompts shorter than this skip the transfer")
     gateway.add_argument("--redis-url", default=None, help="registered workers and shared load in Redis")
 
+    certs = sub.add_parser("certs", help="write a development CA and certificate for mutual TLS between services")
+    certs.add_argument("--out", default="certs", help="folder for ca.pem, cert.pem, key.pem")
+    certs.add_argument(
+        "--host", action="append", default=None,
+        help="a DNS name or IP the certificate is valid for (repeatable; default: localhost, 127.0.0.1, lazyserve.internal)",
+    )
+    certs.add_argument("--days", type=int, default=365)
+
+    probe = sub.add_parser("health", help="grpc.health.v1 check of a worker (exit 0 when SERVING); uses LAZYSERVE_TLS_*")
+    probe.add_argument("address", help="host:port")
+    probe.add_argument("--service", default="", help="a service name; default: the whole server")
+    probe.add_argument("--timeout", type=float, default=2.0)
+
     bench = sub.add_parser("bench", add_help=False, help="benchmarks: ttft, disagg, serve (lazyserve bench NAME --help for flags)")
     bench.add_argument("name", choices=["ttft", "disagg", "serve"])
 
@@ -155,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefill-worker": cmd_prefill_worker,
         "gateway": cmd_gateway,
         "up": cmd_up,
+        "certs": cmd_certs,
+        "health": cmd_health,
     }
     return commands[args.command](args)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import logging
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -85,9 +86,66 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
 TOKEN_HEADER = "x-lazyserve-token"
 
 
-def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """What a client adds to every internal call when a shared token is configured."""
-    return ((TOKEN_HEADER, token),) if token else ()
+@dataclass(frozen=True, repr=False)
+class TlsFiles:
+    """PEM bytes for mutual TLS: the CA that signs every lazyserve service, and this process's own
+    certificate and key (presented as a server and, on outgoing calls, as a client)."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+    # The name clients check in a server's certificate; None: the host they dialled. A fixed name
+    # lets a certificate made in advance cover workers at addresses known only at run time.
+    server_name: str | None = None
+
+
+@dataclass(frozen=True, repr=False)
+class InternalAuth:
+    """How lazyserve's services trust each other: a shared token in every call's metadata and/or
+    mutual TLS. Servers, clients and the gateway's channels are all made from one of these, so a
+    process cannot end up checking one thing and sending another."""
+
+    token: str | None = None
+    tls: TlsFiles | None = None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a client adds to every internal call."""
+        return ((TOKEN_HEADER, self.token),) if self.token else ()
+
+    def interceptors(self) -> list[grpc.ServerInterceptor]:
+        return [TokenInterceptor(self.token)] if self.token else []
+
+    def _channel_credentials(self) -> grpc.ChannelCredentials:
+        assert self.tls is not None
+        return grpc.ssl_channel_credentials(self.tls.ca, self.tls.key, self.tls.cert)
+
+    def _secure_options(self) -> list[tuple[str, object]]:
+        assert self.tls is not None
+        if self.tls.server_name is None:
+            return CHANNEL_OPTIONS
+        return CHANNEL_OPTIONS + [("grpc.ssl_target_name_override", self.tls.server_name)]
+
+    def channel(self, address: str) -> grpc.Channel:
+        if self.tls is None:
+            return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(address, self._channel_credentials(), options=self._secure_options())
+
+    def aio_channel(self, address: str) -> grpc.aio.Channel:
+        if self.tls is None:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(address, self._channel_credentials(), options=self._secure_options())
+
+    def add_port(self, server: grpc.Server, address: str) -> int:
+        if self.tls is None:
+            return server.add_insecure_port(address)
+        # require_client_auth: a peer without a certificate from our CA never completes the handshake.
+        credentials = grpc.ssl_server_credentials(
+            [(self.tls.key, self.tls.cert)], root_certificates=self.tls.ca, require_client_auth=True
+        )
+        return server.add_secure_port(address, credentials)
+
+
+NO_AUTH = InternalAuth()
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -186,11 +244,12 @@ def _wrap_stream(behavior, streaming: bool):
 
 
 def make_server(
-    max_workers: int, max_concurrent_rpcs: int | None = None, token: str | None = None
+    max_workers: int, max_concurrent_rpcs: int | None = None, auth: InternalAuth = NO_AUTH
 ) -> tuple[grpc.Server, health.HealthServicer]:
     """A server with the token check (if a token is set), the error interceptor, raised message
-    limits and grpc.health.v1 (NOT_SERVING until the caller marks it ready)."""
-    interceptors = ([TokenInterceptor(token)] if token else []) + [ErrorInterceptor()]
+    limits and grpc.health.v1 (NOT_SERVING until the caller marks it ready). TLS, if any, is
+    the port's: see start_serving."""
+    interceptors = auth.interceptors() + [ErrorInterceptor()]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=interceptors,
@@ -204,9 +263,10 @@ def make_server(
 
 
 def start_serving(server: grpc.Server, health_servicer, host: str, port: int, advertise_host: str | None,
-                  services: list[str]) -> str:
-    """Bind, start, mark SERVING; returns the address others dial (the OS picks the port for 0)."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+                  services: list[str], auth: InternalAuth = NO_AUTH) -> str:
+    """Bind (with mutual TLS when `auth` has it), start, mark SERVING; returns the address others
+    dial (the OS picks the port for 0)."""
+    bound = auth.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
@@ -219,13 +279,9 @@ def set_serving(health_servicer: health.HealthServicer, services: list[str]) -> 
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-
-
-def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:
+def check_health(address: str, timeout: float = 2.0, service: str = "", auth: InternalAuth = NO_AUTH) -> bool:
     """True when the server at `address` answers SERVING."""
-    with channel(address) as chan:
+    with auth.channel(address) as chan:
         try:
             reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.models import DEFAULT_MODEL, default_cache_dir
+from shared.rpc import InternalAuth, TlsFiles
 
 
 class EngineSettings(BaseSettings):
@@ -29,14 +30,11 @@ class EngineSettings(BaseSettings):
             torch.set_num_threads(self.threads)
 
 
-class WorkerSettings(BaseSettings):
-    """What every worker process has: its engine, where it listens, how others reach it, the
-    internal token and its registration. Each worker's settings add their own env prefix."""
+class InternalAuthSettings(BaseSettings):
+    """How this process authenticates to the other lazyserve services and they to it: a shared
+    token (LAZYSERVE_INTERNAL_TOKEN) and/or mutual TLS (LAZYSERVE_TLS_CA, _CERT, _KEY: PEM files;
+    all three or none). The same names in every role, whatever the role's own env prefix."""
 
-    engine: EngineSettings = Field(default_factory=EngineSettings)
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
-    advertise_host: str | None = Field(None, description="host others reach this worker at; default: host")
     # A plain str (not SecretStr): it must survive model_dump_json into a Ray actor; repr=False
     # keeps it out of logs and reprs.
     internal_token: str | None = Field(
@@ -45,6 +43,48 @@ class WorkerSettings(BaseSettings):
         validation_alias=AliasChoices("internal_token", "LAZYSERVE_INTERNAL_TOKEN"),
         description="shared token every internal gRPC call must carry",
     )
+    tls_ca: Path | None = Field(
+        None, validation_alias=AliasChoices("tls_ca", "LAZYSERVE_TLS_CA"), description="CA certificate (PEM) for mutual TLS"
+    )
+    tls_cert: Path | None = Field(
+        None, validation_alias=AliasChoices("tls_cert", "LAZYSERVE_TLS_CERT"), description="this service's certificate (PEM)"
+    )
+    tls_key: Path | None = Field(
+        None, validation_alias=AliasChoices("tls_key", "LAZYSERVE_TLS_KEY"), description="this service's private key (PEM)"
+    )
+    tls_server_name: str | None = Field(
+        None,
+        validation_alias=AliasChoices("tls_server_name", "LAZYSERVE_TLS_SERVER_NAME"),
+        description="name to check in servers' certificates instead of the dialled host (lazyserve certs adds "
+        "lazyserve.internal): for workers at addresses known only at run time, such as Ray-placed prefill actors",
+    )
+
+    @model_validator(mode="after")
+    def _tls_all_or_none(self):
+        given = [name for name in ("tls_ca", "tls_cert", "tls_key") if getattr(self, name) is not None]
+        if given and len(given) != 3:
+            missing = sorted({"tls_ca", "tls_cert", "tls_key"} - set(given))
+            raise ValueError(f"mutual TLS needs tls_ca, tls_cert and tls_key; missing {', '.join(missing)}")
+        return self
+
+    def internal_auth(self) -> InternalAuth:
+        """Reads the PEM files (on the node where it is called: a Ray actor reads its own node's)."""
+        tls = None
+        if self.tls_ca is not None:
+            tls = TlsFiles(
+                self.tls_ca.read_bytes(), self.tls_cert.read_bytes(), self.tls_key.read_bytes(), self.tls_server_name
+            )
+        return InternalAuth(self.internal_token, tls)
+
+
+class WorkerSettings(InternalAuthSettings):
+    """What every worker process has: its engine, where it listens, how others reach it, the
+    internal authentication and its registration. Each worker's settings add their own env prefix."""
+
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    advertise_host: str | None = Field(None, description="host others reach this worker at; default: host")
     redis_url: str | None = Field(
         None, validation_alias=AliasChoices("redis_url", "LAZYSERVE_REDIS_URL"), description="register here (multi-host mode)"
     )

@@ -222,10 +222,9 @@ class DecodeWorker:
 
 def start_decode_worker(settings: DecodeSettings, loaded: LoadedModel) -> DecodeWorker:
     servicer = DecodeServicer(loaded, settings)
-    server, health = make_server(
-        settings.grpc_workers, max_concurrent_rpcs=settings.grpc_workers - 2, token=settings.internal_token
-    )
+    auth = settings.internal_auth()
+    server, health = make_server(settings.grpc_workers, max_concurrent_rpcs=settings.grpc_workers - 2, auth=auth)
     pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-    address = start_serving(server, health, settings.host, settings.port, settings.advertise_host, [SERVICE])
+    address = start_serving(server, health, settings.host, settings.port, settings.advertise_host, [SERVICE], auth)
     log.info("decode worker serving %s on %s", loaded.name, address)
     return DecodeWorker(server, servicer, address)

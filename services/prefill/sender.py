@@ -35,13 +35,13 @@ class KVSender:
         frame_bytes: int,
         queue_layers: int,
         timeout_s: float,
-        token: str | None = None,
+        auth: rpc.InternalAuth = rpc.NO_AUTH,
     ):
         self.address, self.transfer_id = address, header.header.transfer_id
         self.frame_bytes = frame_bytes
         self.num_frames = self.kv_bytes = self.aux_bytes = self.bytes_sent = 0
         self._queue: queue.Queue = queue.Queue(maxsize=queue_layers)
-        self._channel = rpc.channel(address)
+        self._channel = auth.channel(address)
         stub = pb_grpc.DecodeServiceStub(self._channel)
         # A child of the current (prefill) span; its context rides the stream's metadata.
         self.span = tracer.start_span("kv_transfer", kind=SpanKind.CLIENT)
@@ -49,7 +49,7 @@ class KVSender:
         self.span.set_attribute("server.address", address)
         carrier: dict[str, str] = {}
         inject(carrier, context=set_span_in_context(self.span))
-        metadata = tuple(carrier.items()) + rpc.token_metadata(token)
+        metadata = tuple(carrier.items()) + auth.metadata()
         self._future = stub.PushKV.future(self._messages(header), timeout=timeout_s, metadata=metadata)
 
     def _count(self, message: pb.TransferMessage) -> pb.TransferMessage:

@@ -43,6 +43,7 @@ class PrefillCounters:
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, loaded: LoadedModel, settings: PrefillSettings):
         self.loaded, self.model, self.settings = loaded, loaded.engine, settings
+        self.auth = settings.internal_auth()  # its channels to decode workers use the same credentials
         self.counters = PrefillCounters()
         self._slots = threading.Semaphore(settings.max_concurrent_prefills)
 
@@ -85,7 +86,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         ids = torch.tensor(list(request.prompt_ids), dtype=torch.long)
         header = header_message(request.transfer_id, self.loaded.name, self.model.spec, self.model.dtype, len(ids))
         sender = KVSender(
-            request.decode_address, header, s.frame_bytes, s.send_queue_layers, deadline - time.monotonic(), s.internal_token
+            request.decode_address, header, s.frame_bytes, s.send_queue_layers, deadline - time.monotonic(), self.auth
         )
 
         def on_layer(frame) -> None:
@@ -144,8 +145,8 @@ class PrefillWorker:
 
 def start_prefill_worker(settings: PrefillSettings, loaded: LoadedModel) -> PrefillWorker:
     servicer = PrefillServicer(loaded, settings)
-    server, health = make_server(settings.grpc_workers, token=settings.internal_token)
+    server, health = make_server(settings.grpc_workers, auth=servicer.auth)
     pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-    address = start_serving(server, health, settings.host, settings.port, settings.advertise_host, [SERVICE])
+    address = start_serving(server, health, settings.host, settings.port, settings.advertise_host, [SERVICE], servicer.auth)
     log.info("prefill worker serving %s on %s", loaded.name, address)
     return PrefillWorker(server, servicer, address)

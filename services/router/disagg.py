@@ -29,11 +29,11 @@ class Result:
 
 
 class DecodeClient:
-    def __init__(self, address: str, token: str | None = None):
+    def __init__(self, address: str, auth: rpc.InternalAuth = rpc.NO_AUTH):
         self.address = address
-        self.channel = rpc.channel(address)
+        self.channel = auth.channel(address)
         self.stub = pb_grpc.DecodeServiceStub(self.channel)
-        self.metadata = rpc.token_metadata(token)
+        self.metadata = auth.metadata()
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
         return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
@@ -46,11 +46,11 @@ class DecodeClient:
 
 
 class PrefillClient:
-    def __init__(self, address: str, token: str | None = None):
+    def __init__(self, address: str, auth: rpc.InternalAuth = rpc.NO_AUTH):
         self.address = address
-        self.channel = rpc.channel(address)
+        self.channel = auth.channel(address)
         self.stub = pb_grpc.PrefillServiceStub(self.channel)
-        self.metadata = rpc.token_metadata(token)
+        self.metadata = auth.metadata()
 
     def prefill(self, request: pb.PrefillRequest, timeout: float | None = None) -> pb.PrefillReply:
         return self.stub.Prefill(request, timeout=timeout, metadata=self.metadata)

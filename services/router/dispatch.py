@@ -28,7 +28,7 @@ from services.router.policy import Decision, NoWorkerError
 from services.router.tracing import annotate_decision
 from services.router.workers import DECODE_TOKENS, PREFILL_COST, Workers
 from shared.engine import Stats
-from shared.rpc import CHANNEL_OPTIONS, token_metadata
+from shared.rpc import NO_AUTH, InternalAuth
 from shared.telemetry import tracer
 from shared.serving import Prepared
 from shared.text import TextModel
@@ -76,15 +76,21 @@ def metadata_of(span) -> tuple[tuple[str, str], ...]:
 
 class Dispatcher:
     def __init__(
-        self, workers: Workers, policy, text: TextModel, metrics: GatewayMetrics, retries: int, token: str | None = None
+        self,
+        workers: Workers,
+        policy,
+        text: TextModel,
+        metrics: GatewayMetrics,
+        retries: int,
+        auth: InternalAuth = NO_AUTH,
     ):
         self.workers, self.policy, self.text, self.metrics, self.retries = workers, policy, text, metrics, retries
-        self.token = token
+        self.auth = auth
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = self.auth.aio_channel(address)
         return self._channels[address]
 
     async def close(self) -> None:
@@ -176,7 +182,7 @@ class Dispatcher:
                         sampling=sampling,
                     ),
                     timeout=max(deadline - time.monotonic(), 0.001),
-                    metadata=metadata_of(span) + token_metadata(self.token),
+                    metadata=metadata_of(span) + self.auth.metadata(),
                 )
                 span.set_attribute("lazyserve.kv_bytes_sent", reply.kv_bytes_sent)
                 span.set_attribute("lazyserve.aux_bytes_sent", reply.aux_bytes_sent)
@@ -195,7 +201,7 @@ class Dispatcher:
         span = tracer.start_span("decode", context=parent, kind=SpanKind.CLIENT)
         span.set_attribute("server.address", decision.decode.address)
         call = decode.Generate(
-            request, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata_of(span) + token_metadata(self.token)
+            request, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata_of(span) + self.auth.metadata()
         )
         try:
             async for response in call:

@@ -68,7 +68,7 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
     keys = KeyStore([k.get_secret_value() for k in settings.api_keys], required, client)
     per_key: dict[str, int] = {}
     policy = make_policy(settings.routing, settings.local_threshold)
-    dispatcher = Dispatcher(workers, policy, text, metrics, settings.retries, settings.internal_token)
+    dispatcher = Dispatcher(workers, policy, text, metrics, settings.retries, settings.internal_auth())
     in_flight = 0
 
     @asynccontextmanager

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
-from shared.settings import EngineSettings
+from shared.settings import EngineSettings, InternalAuthSettings
 
 AddressList = Annotated[list[str], NoDecode]
 
@@ -27,20 +27,12 @@ def _split(value):
     return value
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(InternalAuthSettings):
     model_config = SettingsConfigDict(env_prefix="LAZYSERVE_GATEWAY_", extra="ignore")
 
     engine: EngineSettings = Field(default_factory=EngineSettings)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    # A plain str (not SecretStr): it must survive model_dump_json into the Ray actor; repr=False
-    # keeps it out of logs and reprs.
-    internal_token: str | None = Field(
-        None,
-        repr=False,
-        validation_alias=AliasChoices("internal_token", "LAZYSERVE_INTERNAL_TOKEN"),
-        description="shared token every internal gRPC call must carry",
-    )
     redis_url: str | None = Field(None, validation_alias=AliasChoices("redis_url", "LAZYSERVE_REDIS_URL"))
     prefill_workers: AddressList = Field(default_factory=list, description="static mode: prefill worker addresses")
     decode_workers: AddressList = Field(default_factory=list, description="static mode: decode worker addresses")

@@ -19,6 +19,7 @@ from shared import rpc
 from shared.engine import OFF, PruneConfig, SamplingParams, generate
 
 TOKEN = "internal-secret-for-tests"
+AUTH = rpc.InternalAuth(token=TOKEN)
 CONFIG = PruneConfig(stages=((1, 0.5), (3, 0.25)))
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,10 +32,10 @@ def test_a_kv_stream_without_the_internal_token_is_refused(tiny_llama, decode_wo
         anonymous.stub.PushKV(iter(messages), timeout=10)
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.RpcError) as error:
-        DecodeClient(worker.address, token="wrong").status()
+        DecodeClient(worker.address, rpc.InternalAuth(token="wrong")).status()
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert rpc.check_health(worker.address)  # probes stay open
-    trusted = DecodeClient(worker.address, token=TOKEN)
+    trusted = DecodeClient(worker.address, AUTH)
     assert trusted.stub.PushKV(iter(messages), timeout=10, metadata=trusted.metadata).num_frames > 0
     assert trusted.status().transfers_ready == 1
 
@@ -47,7 +48,7 @@ def test_the_whole_path_carries_the_token(tiny_llama, decode_worker, prefill_wor
     with pytest.raises(grpc.RpcError) as error:
         run_disaggregated(PrefillClient(prefill.address), DecodeClient(decode.address), ids, OFF, params)
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    result = run_disaggregated(PrefillClient(prefill.address, TOKEN), DecodeClient(decode.address, TOKEN), ids, OFF, params)
+    result = run_disaggregated(PrefillClient(prefill.address, AUTH), DecodeClient(decode.address, AUTH), ids, OFF, params)
     assert result.tokens == generate(tiny_llama.engine, ids, OFF, params).tokens
     running = gateway(prefill_workers=[prefill.address], decode_workers=[decode.address], local_threshold=100,
                       internal_token=TOKEN)
@@ -80,7 +81,7 @@ def test_concurrent_streams_per_key_are_limited(tiny_llama, decode_worker, gatew
 @given(chunks=st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=4))
 def test_bytes_that_are_not_messages_get_invalid_argument(tiny_llama, decode_worker_session, chunks):
     address = decode_worker_session(tiny_llama)
-    with rpc.channel(address) as channel:
+    with rpc.NO_AUTH.channel(address) as channel:
         push = channel.stream_unary("/lazyserve.v1.DecodeService/PushKV")  # raw bytes, no serializer
         try:
             push(iter(chunks), timeout=10)
