@@ -19,7 +19,7 @@ import torch
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from shared.engine import LazyCache, ModelSpec, PruneConfig, SamplingParams, Stats
 from shared.transfer.messages import check_token_ids, pruning_from_pb, sampling_from_pb, stats_from_pb
-from shared.transfer.tensors import FrameError, dtype_name, frame_checksum, tensor_from_pb
+from shared.transfer.tensors import FrameError, dtype_name, frame_checksum, positions_tensor, tensor_from_pb
 
 MAX_TRANSFER_ID = 128
 SAMPLER_STATE_BYTES = torch.Generator().get_state().numel()
@@ -90,13 +90,13 @@ class TransferAssembler:
             raise FrameError(f"layer {frame.layer} is out of range for a {spec.num_layers}-layer model")
         if frame.layer < self.layer:
             raise FrameError(f"layer {frame.layer} after layer {self.layer}: frames must not go back")
-        if frame_checksum(frame) != frame.crc32:
+        if frame_checksum(frame) != frame.crc32c:
             raise FrameError(f"checksum mismatch in a frame of layer {frame.layer}")
         while self.layer < frame.layer:
             self._close_layer()
         n, dtype = cache.num_prompt, dtype_name(self.dtype)
-        positions = torch.tensor(frame.positions, dtype=torch.long)
-        aux_positions = torch.tensor(frame.aux_positions, dtype=torch.long)
+        positions = positions_tensor(frame.positions)
+        aux_positions = positions_tensor(frame.aux_positions)
         _check_positions(positions, n, "positions")
         _check_positions(aux_positions, n, "aux_positions")
         kv_shape = (1, spec.num_kv_heads, positions.shape[0], spec.head_dim)

@@ -9,7 +9,7 @@ import torch
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from shared.engine import LayerFrame, ModelSpec, PruneConfig, SamplingParams, Stats
 from shared.transfer.messages import pruning_to_pb, sampling_to_pb, stats_to_pb
-from shared.transfer.tensors import dtype_name, frame_checksum, tensor_to_pb
+from shared.transfer.tensors import dtype_name, fill_tensor, frame_checksum
 
 # Tensor payload per frame, KV and Aux each: frames stay well under gRPC's 4 MiB message default.
 DEFAULT_FRAME_BYTES = 1 << 20
@@ -48,17 +48,17 @@ def frame_messages(transfer_id: str, frame: LayerFrame, budget: int = DEFAULT_FR
     for index in range(max(len(kv_chunks), len(aux_chunks), 1)):
         a, b = kv_chunks[index] if index < len(kv_chunks) else (0, 0)
         c, d = aux_chunks[index] if index < len(aux_chunks) else (0, 0)
-        message = pb.KVFrame(
-            transfer_id=transfer_id,
-            layer=frame.layer,
-            positions=frame.positions[a:b].tolist(),
-            k=tensor_to_pb(k[:, :, a:b]),
-            v=tensor_to_pb(v[:, :, a:b]),
-            aux_positions=frame.aux_positions[c:d].tolist(),
-            aux_hidden=tensor_to_pb(hidden[c:d]),
-        )
-        message.crc32 = frame_checksum(message)
-        messages.append(pb.TransferMessage(frame=message))
+        wrapper = pb.TransferMessage()
+        message = wrapper.frame  # filled in place: no copy of the payload per nesting level
+        message.transfer_id = transfer_id
+        message.layer = frame.layer
+        message.positions[:] = frame.positions[a:b].tolist()
+        fill_tensor(message.k, k[:, :, a:b])
+        fill_tensor(message.v, v[:, :, a:b])
+        message.aux_positions[:] = frame.aux_positions[c:d].tolist()
+        fill_tensor(message.aux_hidden, hidden[c:d])
+        message.crc32c = frame_checksum(message)
+        messages.append(wrapper)
     return messages
 
 

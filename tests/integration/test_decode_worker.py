@@ -52,7 +52,7 @@ def test_a_bad_stream_is_refused_and_the_worker_keeps_serving(tiny_llama, decode
     _, messages = encode_transfer(tiny_llama, ids, CONFIG, PARAMS)
     frame = messages[3].frame
     frame.positions[-1] = 10_000
-    frame.crc32 = frame_checksum(frame)
+    frame.crc32c = frame_checksum(frame)
     with pytest.raises(grpc.RpcError) as error:
         client.stub.PushKV(iter(messages), timeout=30)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT

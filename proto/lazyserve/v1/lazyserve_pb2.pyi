@@ -101,7 +101,7 @@ class TransferHeader(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class KVFrame(_message.Message):
-    __slots__ = ("transfer_id", "layer", "positions", "k", "v", "aux_positions", "aux_hidden", "crc32")
+    __slots__ = ("transfer_id", "layer", "positions", "k", "v", "aux_positions", "aux_hidden", "crc32c")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -109,7 +109,7 @@ class KVFrame(_message.Message):
     V_FIELD_NUMBER: _ClassVar[int]
     AUX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     AUX_HIDDEN_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -117,8 +117,8 @@ class KVFrame(_message.Message):
     v: Tensor
     aux_positions: _containers.RepeatedScalarFieldContainer[int]
     aux_hidden: Tensor
-    crc32: int
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., aux_positions: _Optional[_Iterable[int]] = ..., aux_hidden: _Optional[_Union[Tensor, _Mapping]] = ..., crc32: _Optional[int] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., aux_positions: _Optional[_Iterable[int]] = ..., aux_hidden: _Optional[_Union[Tensor, _Mapping]] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class TransferEnd(_message.Message):
     __slots__ = ("transfer_id", "prompt_ids", "first_token", "pruning", "sampling", "sampler_state", "num_frames", "prefill_stats")

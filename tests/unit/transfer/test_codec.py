@@ -52,7 +52,7 @@ def _frame(messages, layer, nth=0):
 
 
 def _reseal(frame):
-    frame.crc32 = frame_checksum(frame)
+    frame.crc32c = frame_checksum(frame)
 
 
 def _shuffle_positions(frame):

@@ -104,7 +104,7 @@ def test_arbitrary_frames_are_refused_cleanly(tiny_llama, layer, positions, shap
     tensor = pb.Tensor(dtype=dtype, shape=shape, data=data)
     frame = pb.KVFrame(
         transfer_id="t1", layer=layer, positions=positions, k=tensor, v=tensor,
-        aux_positions=positions, aux_hidden=tensor, crc32=crc,
+        aux_positions=positions, aux_hidden=tensor, crc32c=crc,
     )
     with pytest.raises(FrameError):
         assemble(tiny_llama, [header, pb.TransferMessage(frame=frame), pb.TransferMessage(end=pb.TransferEnd(transfer_id="t1"))])
