@@ -13,6 +13,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -37,7 +38,7 @@ from services.router.tracing import (
     finish_request_span,
     start_request_span,
 )
-from services.router.workers import RedisWorkers, StaticWorkers, Workers
+from services.router.workers import STREAMS, RedisWorkers, StaticWorkers, Workers
 from shared.registry import WorkerInfo
 from shared.schemas import ModelCard, ModelList
 from shared.serving import CHAT_URL, COMPLETIONS_URL, RequestError, build_response, parse_request, prepare
@@ -66,7 +67,6 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
     if required is None:  # on by default, except for a gateway only reachable from this host
         required = settings.host not in LOOPBACK
     keys = KeyStore([k.get_secret_value() for k in settings.api_keys], required, client)
-    per_key: dict[str, int] = {}
     policy = make_policy(settings.routing, settings.local_threshold)
     dispatcher = Dispatcher(workers, policy, text, metrics, settings.retries, settings.internal_auth())
     in_flight = 0
@@ -170,16 +170,27 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
         annotate_request(span, prepared, text.spec.num_layers)
         if in_flight >= settings.max_in_flight:
             raise RequestError(429, f"the gateway has {settings.max_in_flight} requests in progress; retry later")
-        if per_key.get(caller, 0) >= settings.max_streams_per_key:
-            raise RequestError(429, f"this key has {settings.max_streams_per_key} requests in progress; retry later")
+        in_flight += 1  # taken before the next await, so concurrent requests cannot overshoot the bound
+        metrics.in_flight.set(in_flight)
+        try:
+            # Counted in Redis across every gateway replica when there is one (atomic check-and-take).
+            acquired = await run_in_threadpool(workers.acquire, STREAMS, caller, settings.max_streams_per_key)
+        except BaseException:
+            acquired = False
+            raise
+        finally:
+            if not acquired:
+                in_flight -= 1
+                metrics.in_flight.set(in_flight)
+        if not acquired:
+            raise RequestError(
+                429, f"this key has {settings.max_streams_per_key} requests in progress on all gateways; retry later"
+            )
         start = time.monotonic()
         request_id = f"req-{uuid.uuid4().hex[:16]}"
         span.set_attribute("gen_ai.response.id", request_id)
         events = dispatcher.run(prepared, request_id, start + settings.request_timeout_s, context_of(span))
         job = TextJob(events, text.tokenizer, prepared, metrics, start)
-        in_flight += 1
-        per_key[caller] = per_key.get(caller, 0) + 1
-        metrics.in_flight.set(in_flight)
         released = False
 
         def release():
@@ -187,10 +198,13 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
             if not released:
                 released = True
                 in_flight -= 1
-                per_key[caller] -= 1
-                if not per_key[caller]:
-                    del per_key[caller]
                 metrics.in_flight.set(in_flight)
+                try:
+                    workers.release(STREAMS, caller)
+                except redis.RedisError as error:
+                    # This replica's share (and the count in it) expires with the replica only;
+                    # until then the key has one slot fewer. Logged, never raised at a client.
+                    log.warning("could not release a stream slot in Redis: %s", error)
 
         try:
             decision = await job.route()

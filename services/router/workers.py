@@ -3,7 +3,8 @@
 Load is two numbers per worker: outstanding predicted prefill cost (prefill workers) and
 outstanding tokens (decode workers). In Redis they are hash fields updated with HINCRBYFLOAT,
 atomic, one share per router replica, summed by readers, so several routers balance on the same
-picture.
+picture. The same shares count each API key's requests in progress (STREAMS), so a key's limit
+holds across all gateway replicas rather than per replica.
 """
 
 from __future__ import annotations
@@ -20,8 +21,30 @@ from shared.registry import PREFIX, WorkerInfo, connect, list_workers
 
 log = logging.getLogger(__name__)
 
-PREFILL_COST, DECODE_TOKENS = "prefill_cost", "decode_tokens"
+PREFILL_COST, DECODE_TOKENS, STREAMS = "prefill_cost", "decode_tokens", "streams"
+KINDS = (PREFILL_COST, DECODE_TOKENS, STREAMS)
 ROUTERS = f"{PREFIX}:routers"  # ids of router replicas that have held load (shares expire on their own)
+
+# Check and take one unit in a single step, so two replicas cannot both see "one left" and both
+# take it. Reads other replicas' shares by name, which a Redis Cluster would refuse (standalone
+# Redis, as deployed here, is fine).
+# KEYS: the router-id set, this router's share. ARGV: share-key prefix, field, limit, TTL ms, router id.
+_ACQUIRE = """
+local total = 0
+for _, router in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  total = total + tonumber(redis.call('HGET', ARGV[1] .. router, ARGV[2]) or '0')
+end
+if total >= tonumber(ARGV[3]) then return 0 end
+redis.call('HINCRBYFLOAT', KEYS[2], ARGV[2], 1)
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('SADD', KEYS[1], ARGV[5])
+return 1
+"""
+# KEYS: this router's share. ARGV: field. A field back at zero is removed (callers come and go).
+_RELEASE = """
+if tonumber(redis.call('HINCRBYFLOAT', KEYS[1], ARGV[1], -1)) <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 1
+"""
 
 
 class Workers(Protocol):
@@ -30,6 +53,12 @@ class Workers(Protocol):
     def add_load(self, kind: str, worker_id: str, amount: float) -> None: ...
 
     def loads(self, kind: str) -> dict[str, float]: ...
+
+    def acquire(self, kind: str, field: str, limit: int) -> bool:
+        """Take one unit of `field` if fewer than `limit` are held (by all routers); False if not."""
+        ...
+
+    def release(self, kind: str, field: str) -> None: ...
 
 
 class StaticWorkers:
@@ -51,6 +80,19 @@ class StaticWorkers:
         with self._lock:
             return dict(self._load[kind])
 
+    def acquire(self, kind: str, field: str, limit: int) -> bool:
+        with self._lock:
+            if self._load[kind][field] >= limit:
+                return False
+            self._load[kind][field] += 1
+            return True
+
+    def release(self, kind: str, field: str) -> None:
+        with self._lock:
+            self._load[kind][field] -= 1
+            if self._load[kind][field] <= 0:
+                del self._load[kind][field]
+
 
 class RedisWorkers:
     """The multi-host mode: workers register themselves (shared.registry); load is shared.
@@ -69,6 +111,8 @@ class RedisWorkers:
         # Started by the first add_load: a replica that only reads holds no share to keep alive.
         self._starting = threading.Lock()
         self._refresher = threading.Thread(target=self._refresh, name="load-refresh", daemon=True)
+        self._acquire = self.client.register_script(_ACQUIRE)
+        self._release = self.client.register_script(_RELEASE)
 
     def list(self) -> list[WorkerInfo]:
         return list_workers(self.client)
@@ -76,16 +120,28 @@ class RedisWorkers:
     def _key(self, kind: str, router_id: str) -> str:
         return f"{PREFIX}:load:{kind}:{router_id}"
 
-    def add_load(self, kind: str, worker_id: str, amount: float) -> None:
-        key = self._key(kind, self.router_id)
+    def _hold_share(self) -> None:
         with self._starting:
             if self._refresher.ident is None and not self._stop.is_set():
                 self._refresher.start()
+
+    def add_load(self, kind: str, worker_id: str, amount: float) -> None:
+        key = self._key(kind, self.router_id)
+        self._hold_share()
         with self.client.pipeline() as pipe:
             pipe.hincrbyfloat(key, worker_id, amount)
             pipe.pexpire(key, int(self.ttl_s * 1000))
             pipe.sadd(ROUTERS, self.router_id)
             pipe.execute()
+
+    def acquire(self, kind: str, field: str, limit: int) -> bool:
+        self._hold_share()
+        keys = [ROUTERS, self._key(kind, self.router_id)]
+        args = [self._key(kind, ""), field, limit, int(self.ttl_s * 1000), self.router_id]
+        return bool(self._acquire(keys=keys, args=args))
+
+    def release(self, kind: str, field: str) -> None:
+        self._release(keys=[self._key(kind, self.router_id)], args=[field])
 
     def loads(self, kind: str) -> dict[str, float]:
         routers = sorted(self.client.smembers(ROUTERS))
@@ -101,7 +157,7 @@ class RedisWorkers:
         if gone:  # expired shares of dead routers: forget their ids (a live one re-adds itself)
             with self.client.pipeline() as pipe:
                 for router in gone:
-                    pipe.exists(*(self._key(kind, router) for kind in (PREFILL_COST, DECODE_TOKENS)))
+                    pipe.exists(*(self._key(kind, router) for kind in KINDS))
                 dead = [router for router, count in zip(gone, pipe.execute()) if count == 0]
             if dead:
                 self.client.srem(ROUTERS, *dead)
@@ -111,7 +167,7 @@ class RedisWorkers:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 with self.client.pipeline() as pipe:
-                    for kind in (PREFILL_COST, DECODE_TOKENS):
+                    for kind in KINDS:
                         pipe.pexpire(self._key(kind, self.router_id), int(self.ttl_s * 1000))
                     pipe.execute()
             except redis.RedisError as error:

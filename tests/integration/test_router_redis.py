@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -13,7 +15,7 @@ from conftest import start_process, wait_for
 
 from helpers import random_ids
 from services.router.auth import API_KEYS, add_key, hash_key
-from services.router.workers import DECODE_TOKENS, RedisWorkers
+from services.router.workers import DECODE_TOKENS, STREAMS, RedisWorkers
 from shared.registry import Heartbeat, WorkerInfo, connect, list_workers
 
 
@@ -104,3 +106,53 @@ def test_a_dead_routers_load_expires_and_a_live_ones_stays(redis_url, flush_redi
     assert flush_redis.smembers("lazyserve:routers") == {live.router_id}
     live.close()
     reader.close()
+
+
+def test_a_keys_stream_limit_holds_across_gateway_replicas(tiny_llama, decode_worker, gateway, registered, redis_url,
+                                                           flush_redis):
+    worker, _ = decode_worker(tiny_llama)
+    registered(worker.address)
+    replica_a = gateway(redis_url=redis_url, api_keys="key-a,key-b", max_streams_per_key=1)
+    replica_b = gateway(redis_url=redis_url, api_keys="key-a,key-b", max_streams_per_key=1)
+    stream = replica_a.openai(api_key="key-a").completions.create(model="m", prompt=[1, 2, 3], max_tokens=1500, stream=True)
+    next(iter(stream))
+    # Key A's one slot is taken on replica A: replica B refuses it too, and serves key B.
+    with pytest.raises(openai.RateLimitError) as error:
+        replica_b.openai(api_key="key-a").completions.create(model="m", prompt=[1, 2], max_tokens=1)
+    assert "on all gateways" in error.value.body["message"]
+    assert replica_b.openai(api_key="key-b").completions.create(model="m", prompt=[1, 2], max_tokens=1).choices
+    # Only the key's hash is held in Redis, and the slot comes back when the stream ends.
+    shares = [flush_redis.hgetall(key) for key in flush_redis.scan_iter("lazyserve:load:streams:*")]
+    assert {field for share in shares for field in share} == {hash_key("key-a")}
+    stream.close()
+    assert wait_for(lambda: _served(replica_b, "key-a"), timeout=10), "key A's slot was not released"
+    assert wait_for(lambda: not any(flush_redis.hgetall(k) for k in flush_redis.scan_iter("lazyserve:load:streams:*")),
+                    timeout=10)
+
+
+def _served(running, key: str) -> bool:
+    try:
+        return bool(running.openai(api_key=key).completions.create(model="m", prompt=[1, 2], max_tokens=1).choices)
+    except openai.RateLimitError:
+        return False
+
+
+def test_concurrent_acquires_on_two_replicas_never_overshoot_the_limit(redis_url, flush_redis):
+    replicas = [RedisWorkers(redis_url), RedisWorkers(redis_url)]
+    start = threading.Barrier(16)
+
+    def take(replica) -> bool:
+        start.wait(timeout=10)
+        return replica.acquire(STREAMS, "caller", 5)
+
+    with ThreadPoolExecutor(16) as pool:
+        taken = list(pool.map(take, [replicas[i % 2] for i in range(16)]))
+    reader = RedisWorkers(redis_url)
+    assert sum(taken) == 5
+    assert reader.loads(STREAMS) == {"caller": 5}
+    for replica, got in zip([replicas[i % 2] for i in range(16)], taken):
+        if got:
+            replica.release(STREAMS, "caller")
+    assert reader.loads(STREAMS) == {}
+    for workers in (*replicas, reader):
+        workers.close()
