@@ -81,11 +81,11 @@ def cmd_up(args) -> int:
 def cmd_certs(args) -> int:
     from shared.certs import DEFAULT_HOSTS, make_dev_certs
 
+    import shlex
+
     paths = make_dev_certs(Path(args.out), args.host or list(DEFAULT_HOSTS), args.days)
-    print(
-        f"export LAZYSERVE_TLS_CA={paths['ca'].resolve()} LAZYSERVE_TLS_CERT={paths['cert'].resolve()} "
-        f"LAZYSERVE_TLS_KEY={paths['key'].resolve()}"
-    )
+    names = {"ca": "LAZYSERVE_TLS_CA", "cert": "LAZYSERVE_TLS_CERT", "key": "LAZYSERVE_TLS_KEY"}
+    print("export " + " ".join(f"{names[role]}={shlex.quote(str(path.resolve()))}" for role, path in paths.items()))
     return 0
 
 
