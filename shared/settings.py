@@ -11,7 +11,7 @@ from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.models import DEFAULT_MODEL, default_cache_dir
-from shared.rpc import InternalAuth, TlsFiles
+from shared.transport import InternalAuth, TlsFiles
 
 
 class EngineSettings(BaseSettings):

@@ -21,6 +21,7 @@ from shared import rpc
 from shared.engine import LayerFrame
 from shared.telemetry import tracer
 from shared.transfer import frame_messages, payload_bytes
+from shared.transport import NO_AUTH, InternalAuth
 
 _CLOSE = object()
 
@@ -35,7 +36,7 @@ class KVSender:
         frame_bytes: int,
         queue_layers: int,
         timeout_s: float,
-        auth: rpc.InternalAuth = rpc.NO_AUTH,
+        auth: InternalAuth = NO_AUTH,
     ):
         self.address, self.transfer_id = address, header.header.transfer_id
         self.frame_bytes = frame_bytes

@@ -13,9 +13,9 @@ from typing import Iterator
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
-from shared import rpc
 from shared.engine import PruneConfig, SamplingParams, Stats
 from shared.transfer import pruning_to_pb, sampling_to_pb, stats_from_pb
+from shared.transport import NO_AUTH, InternalAuth
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Result:
 
 
 class DecodeClient:
-    def __init__(self, address: str, auth: rpc.InternalAuth = rpc.NO_AUTH):
+    def __init__(self, address: str, auth: InternalAuth = NO_AUTH):
         self.address = address
         self.channel = auth.channel(address)
         self.stub = pb_grpc.DecodeServiceStub(self.channel)
@@ -46,7 +46,7 @@ class DecodeClient:
 
 
 class PrefillClient:
-    def __init__(self, address: str, auth: rpc.InternalAuth = rpc.NO_AUTH):
+    def __init__(self, address: str, auth: InternalAuth = NO_AUTH):
         self.address = address
         self.channel = auth.channel(address)
         self.stub = pb_grpc.PrefillServiceStub(self.channel)

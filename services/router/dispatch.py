@@ -28,7 +28,7 @@ from services.router.policy import Decision, NoWorkerError
 from services.router.tracing import annotate_decision
 from services.router.workers import DECODE_TOKENS, PREFILL_COST, Workers
 from shared.engine import Stats
-from shared.rpc import NO_AUTH, InternalAuth
+from shared.transport import NO_AUTH, InternalAuth
 from shared.telemetry import tracer
 from shared.serving import Prepared
 from shared.text import TextModel

@@ -17,9 +17,10 @@ from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
 from shared import rpc
 from shared.engine import OFF, PruneConfig, SamplingParams, generate
+from shared.transport import MAX_MESSAGE_BYTES, NO_AUTH, InternalAuth
 
 TOKEN = "internal-secret-for-tests"
-AUTH = rpc.InternalAuth(token=TOKEN)
+AUTH = InternalAuth(token=TOKEN)
 CONFIG = PruneConfig(stages=((1, 0.5), (3, 0.25)))
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,7 @@ def test_a_kv_stream_without_the_internal_token_is_refused(tiny_llama, decode_wo
         anonymous.stub.PushKV(iter(messages), timeout=10)
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.RpcError) as error:
-        DecodeClient(worker.address, rpc.InternalAuth(token="wrong")).status()
+        DecodeClient(worker.address, InternalAuth(token="wrong")).status()
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert rpc.check_health(worker.address)  # probes stay open
     trusted = DecodeClient(worker.address, AUTH)
@@ -81,7 +82,7 @@ def test_concurrent_streams_per_key_are_limited(tiny_llama, decode_worker, gatew
 @given(chunks=st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=4))
 def test_bytes_that_are_not_messages_get_invalid_argument(tiny_llama, decode_worker_session, chunks):
     address = decode_worker_session(tiny_llama)
-    with rpc.NO_AUTH.channel(address) as channel:
+    with NO_AUTH.channel(address) as channel:
         push = channel.stream_unary("/lazyserve.v1.DecodeService/PushKV")  # raw bytes, no serializer
         try:
             push(iter(chunks), timeout=10)
@@ -94,7 +95,7 @@ def test_bytes_that_are_not_messages_get_invalid_argument(tiny_llama, decode_wor
 
 def test_oversized_messages_are_refused_and_the_worker_keeps_serving(tiny_llama, decode_worker):
     worker, client = decode_worker(tiny_llama)
-    huge = pb.TransferMessage(header=pb.TransferHeader(transfer_id="x", model="y" * (rpc.MAX_MESSAGE_BYTES + 1024)))
+    huge = pb.TransferMessage(header=pb.TransferHeader(transfer_id="x", model="y" * (MAX_MESSAGE_BYTES + 1024)))
     with pytest.raises(grpc.RpcError) as error:
         client.stub.PushKV(iter([huge]), timeout=30)
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
