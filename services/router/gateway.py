@@ -172,12 +172,10 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
             raise RequestError(429, f"the gateway has {settings.max_in_flight} requests in progress; retry later")
         in_flight += 1  # taken before the next await, so concurrent requests cannot overshoot the bound
         metrics.in_flight.set(in_flight)
+        acquired = False
         try:
             # Counted in Redis across every gateway replica when there is one (atomic check-and-take).
             acquired = await run_in_threadpool(workers.acquire, STREAMS, caller, settings.max_streams_per_key)
-        except BaseException:
-            acquired = False
-            raise
         finally:
             if not acquired:
                 in_flight -= 1
