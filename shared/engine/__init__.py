@@ -1,6 +1,6 @@
 """The lazyserve engine: LazyLLM prefill and decode over a Llama-family model. No I/O lives here."""
 
-from shared.engine.cache import LazyCache
+from shared.engine.cache import LazyCache, QueryWindow
 from shared.engine.decode import decode_step
 from shared.engine.generate import (
     Generation,
@@ -25,6 +25,7 @@ __all__ = [
     "LazyCache",
     "ModelSpec",
     "PruneConfig",
+    "QueryWindow",
     "Sampler",
     "SamplingParams",
     "Stats",

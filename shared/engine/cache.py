@@ -79,6 +79,19 @@ class AuxEntries:
 
 
 @dataclass
+class QueryWindow:
+    """The last queries seen at one stage layer: positions [w] and q [1, H, w, D], oldest first.
+    Decode scores with them plus its new token, so re-selection does not follow one token's whim."""
+
+    positions: torch.Tensor
+    q: torch.Tensor
+
+    def push(self, position: torch.Tensor, q: torch.Tensor, size: int) -> "QueryWindow":
+        """The window after query q [1, H, 1, D] at position [1] joins it, keeping the last `size`."""
+        return QueryWindow(torch.cat([self.positions, position])[-size:], torch.cat([self.q, q], dim=2)[:, :, -size:])
+
+
+@dataclass
 class LazyCache:
     spec: ModelSpec
     num_prompt: int
@@ -90,6 +103,8 @@ class LazyCache:
     revived_token_layers: int = 0
     # Per layer, the prefill's computed (kept) token count: the schedule as honoured.
     kept_per_layer: list[int] = field(default_factory=list)
+    # Per stage layer, the query window of a `lazy` schedule with window > 1.
+    windows: dict[int, QueryWindow] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, spec: ModelSpec, num_prompt: int, extra: int, dtype, device) -> "LazyCache":

@@ -1,7 +1,8 @@
 """One decode step with LazyLLM's per-step re-selection and revival from the Aux Cache.
 
 The new token runs through every layer. Under `lazy`, each stage layer scores the live prompt
-tokens by the new token's attention and keeps the top fraction (generated tokens are always kept).
+tokens by the attention of the new token and the query window before it (the configured
+`window`; 1 is the new token alone) and keeps the top fraction (generated tokens are always kept).
 A kept token that has no KV at the next layer stopped exactly at this one, so its hidden state is
 in this layer's Aux Cache: it is revived from there and computed onward, layer by layer, together
 with the new token, until it is dropped again (back into the Aux Cache) or reaches the last layer.
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.cache import LazyCache
-from shared.engine.layer import attend, finish, last_query_scores, logits_of, project_qkv
+from shared.engine.cache import LazyCache, QueryWindow
+from shared.engine.layer import attend, finish, logits_of, project_qkv, window_scores
 from shared.engine.model import EngineModel
 from shared.engine.pruning import PruneConfig, ScoreInputs, scorer_for, select
 
@@ -23,6 +24,7 @@ def decode_step(model: EngineModel, cache: LazyCache, token: int, config: PruneC
     """Append `token` at the next position and return the logits [vocab] for the one after it."""
     spec = model.spec
     num_prompt = cache.num_prompt
+    config = config.for_prompt(num_prompt)
     new_position = cache.length
     reselects = config.enabled and config.reselects
     scorer = scorer_for(config)
@@ -56,8 +58,9 @@ def decode_step(model: EngineModel, cache: LazyCache, token: int, config: PruneC
         positions = kv.positions[candidates]
         attention = None
         if scorer.needs_attention:
-            attention = last_query_scores(model, q[:, :, -1:], kv.k, key_live)[candidates]
-        chosen = select(config, keep, scorer.score(ScoreInputs(index, positions, attention)), positions, num_prompt)
+            attention = _scores(model, cache, config, index, q[:, :, -1:], rows[-1:], kv, key_live)[candidates]
+        scores = scorer.score(ScoreInputs(index, positions, attention))
+        chosen = select(config, keep, scores, positions, num_prompt, mass=attention)
         live = torch.zeros(new_position + 1, dtype=torch.bool, device=model.device)
         live[num_prompt:] = True
         live[positions[chosen]] = True
@@ -73,3 +76,13 @@ def decode_step(model: EngineModel, cache: LazyCache, token: int, config: PruneC
             order = torch.argsort(rows)
             rows, h = rows[order], h[order]
     return logits_of(model, h[-1])
+
+
+def _scores(model, cache: LazyCache, config: PruneConfig, index: int, q_new, position, kv, key_live) -> torch.Tensor:
+    """Window attention over this layer's keys [count]; the new query [1, H, 1, D] joins the window."""
+    if config.window == 1:
+        return window_scores(model, q_new, kv.k, key_live)
+    window = cache.windows.get(index)
+    window = QueryWindow(position, q_new) if window is None else window.push(position, q_new, config.window)
+    cache.windows[index] = window
+    return window_scores(model, window.q, kv.k, key_live, window.positions, kv.positions)

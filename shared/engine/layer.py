@@ -68,21 +68,35 @@ def finish(model: EngineModel, index: int, h: torch.Tensor, attn_out: torch.Tens
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def last_query_scores(
-    model: EngineModel, q_last: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None
+def window_scores(
+    model: EngineModel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention probabilities from one query row to each key, averaged over all query heads.
+    """Attention probabilities from the last query rows to each key, summed over the rows and
+    averaged over all query heads (SnapKV's observation window; one row is LazyLLM's score).
 
-    q_last [1, H, 1, D]; k [1, Hkv, n, D]; mask bool [n] or None. Returns [n]. Only this row is
-    built, never an n x n matrix.
+    q [1, H, w, D]; k [1, Hkv, n, D]; key_mask bool [n] or None. With w > 1, q_positions [w] and
+    k_positions [n] give the causal mask (a query sees keys at or before it). Returns [n]. Only
+    these w rows are built, never an n x n matrix.
     """
     spec = model.spec
-    groups = spec.num_heads // spec.num_kv_heads
-    qg = q_last.reshape(spec.num_kv_heads, groups, spec.head_dim)
-    logits = torch.matmul(qg, k[0].transpose(1, 2)) * model.scaling  # [Hkv, G, n]
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf"))
-    return torch.softmax(logits.float(), dim=-1).mean(dim=(0, 1))
+    groups, w = spec.num_heads // spec.num_kv_heads, q.shape[2]
+    qg = q.reshape(spec.num_kv_heads, groups * w, spec.head_dim)
+    logits = torch.matmul(qg, k[0].transpose(1, 2)) * model.scaling  # [Hkv, G * w, n]
+    if w == 1:
+        # The last query sees every key: no causal mask, bit for bit the published LazyLLM score.
+        if key_mask is not None:
+            logits = logits.masked_fill(~key_mask, float("-inf"))
+        return torch.softmax(logits.float(), dim=-1).mean(dim=(0, 1))
+    visible = k_positions[None, :] <= q_positions[:, None]  # [w, n]
+    if key_mask is not None:
+        visible = visible & key_mask[None, :]
+    logits = logits.view(spec.num_kv_heads, groups, w, -1).masked_fill(~visible, float("-inf"))
+    return torch.softmax(logits.float(), dim=-1).sum(dim=2).mean(dim=(0, 1))
 
 
 def logits_of(model: EngineModel, h_last: torch.Tensor) -> torch.Tensor:

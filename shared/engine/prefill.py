@@ -1,8 +1,9 @@
 """Lazy prefill: the prompt's forward pass, pruning the live token set at each stage layer.
 
 At layer l the live set (sorted original positions) is computed; its KV is written to the cache.
-After a stage layer, the last query's attention scores the live tokens, the top fraction goes on,
-and the rest stop: their hidden states go to that layer's Aux Cache. Every finished layer is handed
+After a stage layer, the attention of the last live queries (the configured window) scores the
+live tokens, the top fraction goes on, and the rest stop: their hidden states go to that layer's
+Aux Cache. A `lazy` schedule keeps that window of queries for decode's re-selection. Every finished layer is handed
 to `on_layer` as a LayerFrame, which the disaggregated prefill streams as it comes.
 """
 
@@ -13,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from shared.engine.cache import LazyCache
-from shared.engine.layer import attend, finish, last_query_scores, logits_of, project_qkv
+from shared.engine.cache import LazyCache, QueryWindow
+from shared.engine.layer import attend, finish, logits_of, project_qkv, window_scores
 from shared.engine.model import EngineModel
 from shared.engine.pruning import PruneConfig, ScoreInputs, scorer_for, select
 
@@ -29,6 +30,7 @@ class LayerFrame:
     v: torch.Tensor  # [1, Hkv, m, D]
     aux_positions: torch.Tensor  # [a]
     aux_hidden: torch.Tensor  # [a, hidden]
+    window: QueryWindow | None = None  # at a stage layer of a lazy schedule with window > 1
 
 
 @torch.inference_mode()
@@ -47,6 +49,7 @@ def prefill(
     spec = model.spec
     n = ids.shape[0]
     assert n >= 1, "empty prompt"
+    config = config.for_prompt(n)
     cache = LazyCache.empty(spec, n, reserve, model.dtype, model.device)
     scorer = scorer_for(config)
     positions = torch.arange(n, device=model.device)
@@ -56,7 +59,7 @@ def prefill(
         q, k, v = project_qkv(model, index, h, positions)
         cache.write(index, positions, k, v)
         cache.kept_per_layer.append(positions.shape[0])
-        written, aux_positions, aux_hidden = positions, no_aux, h[:0]
+        written, aux_positions, aux_hidden, window = positions, no_aux, h[:0], None
         if index == spec.num_layers - 1:
             # Only the last row's output is used: the others need KV here, not attention or MLP.
             h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], k, v))
@@ -64,12 +67,17 @@ def prefill(
             h = finish(model, index, h, attend(model, q, k, v, is_causal=True))
             keep = config.keep_at(index) if config.enabled else None
             if keep is not None:
-                attention = last_query_scores(model, q[:, :, -1:], k) if scorer.needs_attention else None
+                w = config.window
+                attention = None
+                if scorer.needs_attention:
+                    attention = window_scores(model, q[:, :, -w:], k, None, positions[-w:], positions)
                 scores = scorer.score(ScoreInputs(index, positions, attention))
-                chosen = select(config, keep, scores, positions, n)
+                chosen = select(config, keep, scores, positions, n, mass=attention)
+                if config.reselects and w > 1:
+                    window = cache.windows[index] = QueryWindow(positions[-w:].clone(), q[:, :, -w:].clone())
                 aux_positions, aux_hidden = positions[~chosen], h[~chosen]
                 cache.stash(index, aux_positions, aux_hidden)
                 positions, h = positions[chosen], h[chosen]
         if on_layer is not None:
-            on_layer(LayerFrame(index, written, k, v, aux_positions, aux_hidden))
+            on_layer(LayerFrame(index, written, k, v, aux_positions, aux_hidden, window))
     return cache, logits_of(model, h[-1])

@@ -1,8 +1,9 @@
 """Pruning configuration and selection: which prompt tokens go on past a stage layer.
 
-A method is a small scorer with one `score()`; the top-k, block grouping and the tokens that are
-always kept (the last prompt token, attention sinks) live once, in `select()`. The cache
-bookkeeping (Aux Cache, revival) is the prefill's and decode's business, not this module's.
+A method is a small scorer with one `score()`; pooling, the budget (a fixed fraction or an
+attention mass), the top-k, block grouping and the tokens that are always kept (the last prompt
+token, attention sinks, the recent tokens) live once, in `select()`. The cache bookkeeping (Aux
+Cache, revival, the decode-time query window) is the prefill's and decode's business.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Mode = Literal["off", "lazy", "static", "random"]
+MAX_WINDOW = 256
+MAX_POOL_KERNEL = 63
+MAX_PROTECTED = 1 << 20
 
 
 class PruneConfig(BaseModel):
@@ -25,16 +30,28 @@ class PruneConfig(BaseModel):
     static) at the same budget; off computes every token at every layer.
     stages: (layer, keep) pairs, 0-based layer after which only the top `keep` fraction of the
     prompt goes on. Layers increase, keep fractions do not.
+    window, pool_kernel, pool, recent_tokens, keep_mass, min_keep: the selection options that
+    keep answers (SnapKV, FastKV, UniPrefill); their defaults are the paper's LazyLLM exactly.
+    min_prompt_tokens: prompts shorter than this are not pruned at all.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     mode: Mode = "lazy"
     stages: tuple[tuple[int, float], ...] = ()
-    sink_tokens: int = Field(0, ge=0)
+    sink_tokens: int = Field(0, ge=0, le=MAX_PROTECTED)
     granularity: Literal["token", "block"] = "token"
-    block_size: int = Field(16, ge=1)
-    seed: int = 0
+    block_size: int = Field(16, ge=1, le=MAX_PROTECTED)
+    seed: int = Field(0, ge=0, lt=2**64, description="for mode random; an unsigned 64-bit integer")
+    window: int = Field(1, ge=1, le=MAX_WINDOW, description="score with the summed attention of the last `window` queries")
+    pool_kernel: int = Field(1, ge=1, le=MAX_POOL_KERNEL, description="odd; pool scores over this many neighbours")
+    pool: Literal["max", "avg"] = "max"
+    recent_tokens: int = Field(0, ge=0, le=MAX_PROTECTED, description="the last prompt tokens, always kept")
+    keep_mass: float | None = Field(
+        None, gt=0.0, le=1.0, description="keep the fewest tokens holding this share of the attention, at most the stage's keep"
+    )
+    min_keep: float = Field(0.0, ge=0.0, le=1.0, description="with keep_mass: keep at least this fraction")
+    min_prompt_tokens: int = Field(0, ge=0, description="prompts shorter than this are not pruned")
 
     @field_validator("stages")
     @classmethod
@@ -51,11 +68,24 @@ class PruneConfig(BaseModel):
             raise ValueError(f"keep fractions must not increase, got {keeps}")
         return stages
 
+    @field_validator("pool_kernel")
+    @classmethod
+    def _check_kernel(cls, kernel):
+        if kernel % 2 == 0:
+            raise ValueError(f"pool_kernel must be odd, got {kernel}")
+        return kernel
+
     @model_validator(mode="after")
     def _check_mode(self):
         if self.mode != "off" and not self.stages:
             raise ValueError(f"mode {self.mode!r} needs at least one stage")
+        if self.keep_mass is not None and self.mode == "random":
+            raise ValueError("keep_mass budgets by attention; mode 'random' has none")
         return self
+
+    def for_prompt(self, num_prompt: int) -> "PruneConfig":
+        """The configuration as it applies to a prompt of num_prompt tokens: off below min_prompt_tokens."""
+        return OFF if self.enabled and num_prompt < self.min_prompt_tokens else self
 
     @property
     def enabled(self) -> bool:
@@ -79,9 +109,10 @@ class PruneConfig(BaseModel):
                 return keep
         return None
 
-    def computed_fraction(self, num_layers: int) -> float:
-        """Share of the prompt's token-layers a prefill computes under this schedule (block rounding aside)."""
-        if not self.enabled:
+    def computed_fraction(self, num_layers: int, num_prompt: int | None = None) -> float:
+        """Share of the prompt's token-layers a prefill computes under this schedule: exact for a
+        fixed keep (block rounding and protected tokens aside), an upper bound with keep_mass."""
+        if not self.for_prompt(num_prompt if num_prompt is not None else self.min_prompt_tokens).enabled:
             return 1.0
         total, keep, previous = 0.0, 1.0, 0
         for layer, fraction in self.stages:
@@ -96,7 +127,8 @@ OFF = PruneConfig(mode="off")
 
 @dataclass(frozen=True)
 class ScoreInputs:
-    """What a scorer may look at. attention: the last query's attention per candidate, or None if unused."""
+    """What a scorer may look at. attention: the query window's summed attention per candidate
+    (the last query's alone for window 1), or None if the scorer does not use it."""
 
     layer: int
     positions: torch.Tensor  # [c] original positions of the candidates
@@ -105,7 +137,7 @@ class ScoreInputs:
 
 @dataclass(frozen=True)
 class AttentionScorer:
-    """LazyLLM: importance is the last query's attention probability, averaged over heads."""
+    """LazyLLM: importance is the attention the last queries pay a token, averaged over heads."""
 
     needs_attention = True
 
@@ -121,7 +153,7 @@ class RandomScorer:
     needs_attention = False
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + inputs.layer)
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + inputs.layer) % 2**64)
         return torch.rand(int(inputs.positions.max()) + 1, generator=generator)[inputs.positions.cpu()].to(
             inputs.positions.device
         )
@@ -131,22 +163,65 @@ def scorer_for(config: PruneConfig):
     return RandomScorer(config.seed) if config.mode == "random" else AttentionScorer()
 
 
+def protected(config: PruneConfig, positions: torch.Tensor, num_prompt: int) -> torch.Tensor:
+    """Bool [c]: candidates kept whatever their score: the last prompt token, sinks, recent tokens."""
+    forced = (positions == num_prompt - 1) | (positions < config.sink_tokens)
+    if config.recent_tokens:
+        forced |= positions >= num_prompt - config.recent_tokens
+    return forced
+
+
+def pool_scores(config: PruneConfig, scores: torch.Tensor, positions: torch.Tensor, num_prompt: int) -> torch.Tensor:
+    """Pool each candidate's score with its neighbours by original position (SnapKV's 1-D pooling),
+    so that a span around a strong token survives whole. Positions that are no longer candidates
+    do not count. scores, positions: [c] -> [c]."""
+    kernel, pad = config.pool_kernel, config.pool_kernel // 2
+    if config.pool == "max":
+        dense = scores.new_full((1, 1, num_prompt), float("-inf"))
+        dense[0, 0, positions] = scores
+        return F.max_pool1d(dense, kernel, stride=1, padding=pad)[0, 0, positions]
+    dense = scores.new_zeros((2, 1, num_prompt))
+    dense[0, 0, positions] = scores
+    dense[1, 0, positions] = 1.0
+    summed = F.avg_pool1d(dense, kernel, stride=1, padding=pad)  # the same divisor for both rows
+    return (summed[0, 0] / summed[1, 0])[positions]
+
+
+def mass_budget(config: PruneConfig, keep: float, order_scores: torch.Tensor, mass: torch.Tensor, num_prompt: int) -> int:
+    """How many candidates, taken best first by order_scores, hold `keep_mass` of the attention
+    `mass` (UniPrefill's budget), clipped to [min_keep, keep] of the prompt."""
+    order = torch.argsort(order_scores, descending=True, stable=True)
+    covered = torch.cumsum(mass[order].double(), 0)
+    needed = int(torch.searchsorted(covered, config.keep_mass * float(covered[-1]))) + 1
+    low = math.ceil(config.min_keep * num_prompt)
+    return min(max(needed, low, 1), max(1, math.ceil(keep * num_prompt)))
+
+
 def select(
     config: PruneConfig,
     keep: float,
     scores: torch.Tensor,
     positions: torch.Tensor,
     num_prompt: int,
+    mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean mask over candidates: the top `keep` fraction of the prompt, by score.
 
-    scores, positions: [c] for the candidate prompt tokens. The last prompt token and the first
-    `sink_tokens` positions are always kept. With block granularity, whole blocks of
-    `block_size` consecutive positions are kept or dropped, each scored by its best token.
+    scores, positions: [c] for the candidate prompt tokens. The last prompt token, the first
+    `sink_tokens` and the last `recent_tokens` positions are always kept. With `pool_kernel` > 1
+    the scores are pooled over neighbours first. With `keep_mass`, the budget is the fewest
+    tokens whose attention `mass` [c] reaches that share, at most `keep`. With block granularity,
+    whole blocks of `block_size` consecutive positions are kept or dropped, each scored by its best token.
     """
-    budget = max(1, math.ceil(keep * num_prompt))
-    forced = (positions == num_prompt - 1) | (positions < config.sink_tokens)
+    if config.pool_kernel > 1:
+        scores = pool_scores(config, scores, positions, num_prompt)
+    forced = protected(config, positions, num_prompt)
     scores = torch.where(forced, torch.tensor(float("inf"), dtype=scores.dtype, device=scores.device), scores)
+    if config.keep_mass is not None:
+        assert mass is not None, "keep_mass needs the attention mass"
+        budget = mass_budget(config, keep, scores, mass, num_prompt)
+    else:
+        budget = max(1, math.ceil(keep * num_prompt))
     count = positions.shape[0]
     if budget >= count:
         return torch.ones(count, dtype=torch.bool, device=positions.device)

@@ -7,7 +7,7 @@ order, sorted unique positions inside the prompt, tensors of the model's dtype a
 correct checksum; a (token, layer) arrives at most once and only after the token's earlier
 layers; at the end, every token was computed at layer 0, the last token at every layer, and each
 token that stopped early sits in the Aux Cache of the layer it stopped after (so decode can
-revive it). Only then is the cache handed to decode.
+revive it). A stage layer's query window, when sent, must be the model's query shape. Only then is the cache handed to decode.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
-from shared.engine import LazyCache, ModelSpec, PruneConfig, SamplingParams, Stats
+from shared.engine import LazyCache, ModelSpec, PruneConfig, QueryWindow, SamplingParams, Stats
+from shared.engine.pruning import MAX_WINDOW
 from shared.transfer.messages import check_token_ids, pruning_from_pb, sampling_from_pb, stats_from_pb
 from shared.transfer.tensors import FrameError, dtype_name, frame_checksum, positions_tensor, tensor_from_pb
 
@@ -113,6 +114,8 @@ class TransferAssembler:
                 )
         cache.write(frame.layer, positions.to(self.device), k.to(self.device), v.to(self.device))
         cache.stash(frame.layer, aux_positions.to(self.device), hidden.to(self.device))
+        if frame.query_positions:
+            self._window(cache, frame)
         self.kept_at_layer += positions.shape[0]
         self.num_frames += 1
 
@@ -151,6 +154,18 @@ class TransferAssembler:
         return Assembled(
             cache, list(end.prompt_ids), end.first_token, config, params, end.sampler_state, stats_from_pb(end.prefill_stats)
         )
+
+    def _window(self, cache: LazyCache, frame: pb.KVFrame) -> None:
+        spec = self.spec
+        if frame.layer in cache.windows:
+            raise FrameError(f"a second query window for layer {frame.layer}")
+        positions = positions_tensor(frame.query_positions)
+        if positions.shape[0] > MAX_WINDOW:
+            raise FrameError(f"query window of {positions.shape[0]} queries; at most {MAX_WINDOW}")
+        _check_positions(positions, cache.num_prompt, "query_positions")
+        shape = (1, spec.num_heads, positions.shape[0], spec.head_dim)
+        q = tensor_from_pb(frame.queries, "queries", dtype_name(self.dtype), shape)
+        cache.windows[frame.layer] = QueryWindow(positions.to(self.device), q.to(self.device).clone())
 
     def _started(self, transfer_id: str) -> LazyCache:
         if self.cache is None:

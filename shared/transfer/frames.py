@@ -57,6 +57,9 @@ def frame_messages(transfer_id: str, frame: LayerFrame, budget: int = DEFAULT_FR
         fill_tensor(message.v, v[:, :, a:b])
         message.aux_positions[:] = frame.aux_positions[c:d].tolist()
         fill_tensor(message.aux_hidden, hidden[c:d])
+        if index == 0 and frame.window is not None:
+            message.query_positions[:] = frame.window.positions.tolist()
+            fill_tensor(message.queries, frame.window.q)
         message.crc32c = frame_checksum(message)
         messages.append(wrapper)
     return messages

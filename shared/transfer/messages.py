@@ -21,12 +21,19 @@ def pruning_to_pb(config: PruneConfig) -> pb.PruneConfig:
         granularity=config.granularity,
         block_size=config.block_size,
         seed=config.seed,
+        window=config.window,
+        pool_kernel=config.pool_kernel,
+        pool=config.pool,
+        recent_tokens=config.recent_tokens,
+        keep_mass=config.keep_mass,
+        min_keep=config.min_keep,
+        min_prompt_tokens=config.min_prompt_tokens,
     )
 
 
 def pruning_from_pb(message: pb.PruneConfig, num_layers: int) -> PruneConfig:
     # proto3 cannot tell unset from empty: an empty mode means "off", and an empty granularity or
-    # a zero block size means PruneConfig's default.
+    # pool, or a zero block size, window or pool kernel, means PruneConfig's default.
     fields = {
         "mode": message.mode or "off",
         "stages": tuple((stage.layer, stage.keep_fraction) for stage in message.stages),
@@ -34,6 +41,13 @@ def pruning_from_pb(message: pb.PruneConfig, num_layers: int) -> PruneConfig:
         "granularity": message.granularity or None,
         "block_size": message.block_size or None,
         "seed": message.seed,
+        "window": message.window or None,
+        "pool_kernel": message.pool_kernel or None,
+        "pool": message.pool or None,
+        "recent_tokens": message.recent_tokens,
+        "keep_mass": message.keep_mass if message.HasField("keep_mass") else None,
+        "min_keep": message.min_keep,
+        "min_prompt_tokens": message.min_prompt_tokens,
     }
     try:
         config = PruneConfig(**{name: value for name, value in fields.items() if value is not None})

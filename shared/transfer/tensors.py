@@ -77,6 +77,8 @@ def frame_checksum(frame: pb.KVFrame) -> int:
     uses the CPU's CRC instructions: about 4x zlib.crc32's speed, which every byte of KV pays
     twice (sender and receiver) on cores that prefill is computing on."""
     crc = google_crc32c.value(positions_bytes(frame.positions))
-    for part in (frame.k.data, frame.v.data, positions_bytes(frame.aux_positions), frame.aux_hidden.data):
+    parts = (frame.k.data, frame.v.data, positions_bytes(frame.aux_positions), frame.aux_hidden.data,
+             positions_bytes(frame.query_positions), frame.queries.data)
+    for part in parts:
         crc = google_crc32c.extend(crc, part)
     return crc

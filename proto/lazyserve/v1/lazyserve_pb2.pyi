@@ -15,20 +15,34 @@ class Stage(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., keep_fraction: _Optional[float] = ...) -> None: ...
 
 class PruneConfig(_message.Message):
-    __slots__ = ("mode", "stages", "sink_tokens", "granularity", "block_size", "seed")
+    __slots__ = ("mode", "stages", "sink_tokens", "granularity", "block_size", "seed", "window", "pool_kernel", "pool", "recent_tokens", "keep_mass", "min_keep", "min_prompt_tokens")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRANULARITY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    POOL_KERNEL_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    RECENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_MASS_FIELD_NUMBER: _ClassVar[int]
+    MIN_KEEP_FIELD_NUMBER: _ClassVar[int]
+    MIN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     stages: _containers.RepeatedCompositeFieldContainer[Stage]
     sink_tokens: int
     granularity: str
     block_size: int
     seed: int
-    def __init__(self, mode: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., sink_tokens: _Optional[int] = ..., granularity: _Optional[str] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    window: int
+    pool_kernel: int
+    pool: str
+    recent_tokens: int
+    keep_mass: float
+    min_keep: float
+    min_prompt_tokens: int
+    def __init__(self, mode: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., sink_tokens: _Optional[int] = ..., granularity: _Optional[str] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ..., window: _Optional[int] = ..., pool_kernel: _Optional[int] = ..., pool: _Optional[str] = ..., recent_tokens: _Optional[int] = ..., keep_mass: _Optional[float] = ..., min_keep: _Optional[float] = ..., min_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids")
@@ -101,7 +115,7 @@ class TransferHeader(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class KVFrame(_message.Message):
-    __slots__ = ("transfer_id", "layer", "positions", "k", "v", "aux_positions", "aux_hidden", "crc32c")
+    __slots__ = ("transfer_id", "layer", "positions", "k", "v", "aux_positions", "aux_hidden", "crc32c", "query_positions", "queries")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +124,8 @@ class KVFrame(_message.Message):
     AUX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     AUX_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    QUERY_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -118,7 +134,9 @@ class KVFrame(_message.Message):
     aux_positions: _containers.RepeatedScalarFieldContainer[int]
     aux_hidden: Tensor
     crc32c: int
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., aux_positions: _Optional[_Iterable[int]] = ..., aux_hidden: _Optional[_Union[Tensor, _Mapping]] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    query_positions: _containers.RepeatedScalarFieldContainer[int]
+    queries: Tensor
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., aux_positions: _Optional[_Iterable[int]] = ..., aux_hidden: _Optional[_Union[Tensor, _Mapping]] = ..., crc32c: _Optional[int] = ..., query_positions: _Optional[_Iterable[int]] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class TransferEnd(_message.Message):
     __slots__ = ("transfer_id", "prompt_ids", "first_token", "pruning", "sampling", "sampler_state", "num_frames", "prefill_stats")

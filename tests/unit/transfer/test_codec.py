@@ -37,6 +37,42 @@ def test_assembled_cache_equals_the_senders(tiny_llama, budget):
     assert got.computed_token_layers == cache.computed_token_layers
 
 
+# The selection options travel in the pruning config, and a lazy schedule's query windows in the
+# stage layers' frames: decode on the receiving side re-selects exactly as in one process.
+WINDOWED = PruneConfig(
+    stages=((1, 0.5), (3, 0.25)), window=8, pool_kernel=5, pool="avg", recent_tokens=6, sink_tokens=2,
+    keep_mass=0.9, min_keep=0.1, min_prompt_tokens=10,
+)
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 2048], ids=["one-frame-per-layer", "chunked"])
+def test_query_windows_and_options_arrive(tiny_llama, budget):
+    cache, messages = _encode(tiny_llama, config=WINDOWED, budget=budget)
+    got = assemble(tiny_llama, messages)
+    assert got.config == WINDOWED
+    assert sorted(got.cache.windows) == sorted(cache.windows) == [1, 3]
+    for layer, window in cache.windows.items():
+        assert torch.equal(got.cache.windows[layer].positions, window.positions)
+        assert torch.equal(got.cache.windows[layer].q, window.q)
+
+
+def test_a_query_window_of_the_wrong_shape_is_refused(tiny_llama):
+    _, messages = _encode(tiny_llama, config=WINDOWED)
+    frame = _frame(messages, 1)
+    frame.queries.shape[1] = 1
+    _reseal(frame)
+    with pytest.raises(FrameError, match="queries: shape"):
+        assemble(tiny_llama, messages)
+
+
+def test_a_flipped_bit_in_a_query_window_fails_the_checksum(tiny_llama):
+    _, messages = _encode(tiny_llama, config=WINDOWED)
+    frame = _frame(messages, 3)
+    frame.queries.data = bytes([frame.queries.data[0] ^ 1]) + frame.queries.data[1:]
+    with pytest.raises(FrameError, match="checksum"):
+        assemble(tiny_llama, messages)
+
+
 def test_frames_stay_under_the_budget(smollm2):
     budget = 1 << 20
     _, messages = _encode(smollm2, config=PruneConfig(mode="off"), budget=budget)
