@@ -1,4 +1,4 @@
-"""`lazyserve bench ttft`: time to first token, full vs lazy vs transformers, and decode speed.
+"""`lazyserve bench ttft`: time to first token and decode speed, unpruned vs every pruning preset vs transformers.
 
 All paths run in one process on the same text, interleaved round by round after a warm-up, so
 machine noise hits them alike; the table reports medians and ratios. Peak memory is the largest
@@ -55,15 +55,13 @@ def _timed(fn):
     return elapsed, memory.rise_mib
 
 
-def bench_prefill(model, ids, lazy, repeats):
+def bench_prefill(model, ids, configs: dict, repeats):
+    """Median prefill seconds per path: transformers, full (pruning off) and each config."""
     from shared.engine import OFF, prefill
 
     hf = model.hf
-    paths = {
-        "transformers": lambda: hf(ids[None], logits_to_keep=1),
-        "full": lambda: prefill(model, ids, OFF),
-        "lazy": lambda: prefill(model, ids, lazy),
-    }
+    paths = {"transformers": lambda: hf(ids[None], logits_to_keep=1), "full": lambda: prefill(model, ids, OFF)}
+    paths |= {name: (lambda config=config: prefill(model, ids, config)) for name, config in configs.items()}
     times = {name: [] for name in paths}
     peaks = {name: 0.0 for name in paths}
     with torch.inference_mode():
@@ -99,17 +97,19 @@ def _our_decode(model, ids, config, tokens):
         return tokens / (time.perf_counter() - start), cache.revived_token_layers
 
 
-def bench_decode(model, ids, lazy, tokens, repeats):
+def bench_decode(model, ids, configs: dict, tokens, repeats):
+    """Median decode tokens/s per path and each config's revived token-layers."""
     from shared.engine import OFF
 
-    rates = {"transformers": [], "full": [], "lazy": []}
-    revived = 0
+    paths = {"full": OFF} | configs
+    rates = {"transformers": []} | {name: [] for name in paths}
+    revived = {}
     _our_decode(model, ids, OFF, 2)  # warm-up
     for _ in range(repeats):
         rates["transformers"].append(_hf_decode(model.hf, ids, tokens))
-        rates["full"].append(_our_decode(model, ids, OFF, tokens)[0])
-        rate, revived = _our_decode(model, ids, lazy, tokens)
-        rates["lazy"].append(rate)
+        for name, config in paths.items():
+            rate, revived[name] = _our_decode(model, ids, config, tokens)
+            rates[name].append(rate)
     return {name: statistics.median(r) for name, r in rates.items()}, revived
 
 
@@ -121,77 +121,60 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-prompt", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--pruning", default="default", help="default or a JSON schedule")
+    parser.add_argument("--presets", nargs="+", default=["default", "fast", "lazyllm"], help="pruning presets to time")
+    parser.add_argument("--pruning", default=None, help="also time this JSON schedule, as 'custom'")
     parser.add_argument("--out", default="out/bench_ttft.json")
     args = parser.parse_args(argv)
 
     from shared.engine import PruneConfig
-    from shared.engine.pruning import default_pruning
+    from shared.engine.pruning import preset
     from shared.models import load_model
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     model = loaded.engine
-    lazy = default_pruning(model.spec.num_layers)
-    if args.pruning != "default":
-        lazy = PruneConfig.model_validate_json(args.pruning)
-    rows, report = [], {"model": loaded.name, "threads": args.threads, "pruning": lazy.model_dump(), "prefill": []}
+    configs = {name: preset(name, model.spec.num_layers) for name in args.presets}
+    if args.pruning:
+        configs["custom"] = PruneConfig.model_validate_json(args.pruning)
+    report = {"model": loaded.name, "threads": args.threads,
+              "pruning": {name: config.model_dump() for name, config in configs.items()}, "prefill": []}
+    rows = []
     for length in args.lengths:
         ids = long_text_ids(loaded.tokenizer, length)
-        medians, peaks, samples = bench_prefill(model, ids, lazy, args.repeats)
-        entry = {
+        medians, peaks, samples = bench_prefill(model, ids, configs, args.repeats)
+        speedups = {name: medians["full"] / medians[name] for name in configs}
+        report["prefill"].append({
             "tokens": length,
             "median_s": medians,
             "samples_s": samples,
             "peak_rss_rise_mib": peaks,
             "full_over_transformers": medians["full"] / medians["transformers"],
-            "lazy_speedup_over_full": medians["full"] / medians["lazy"],
-        }
-        report["prefill"].append(entry)
-        rows.append(
-            [
-                length,
-                f"{medians['transformers']:.2f}",
-                f"{medians['full']:.2f}",
-                f"{medians['lazy']:.2f}",
-                f"{entry['full_over_transformers']:.3f}",
-                f"{entry['lazy_speedup_over_full']:.2f}x",
-                f"{peaks['transformers']:.0f} / {peaks['full']:.0f} / {peaks['lazy']:.0f}",
-            ]
-        )
+            "speedup_over_full": speedups,
+        })
+        rows.append([length, f"{medians['transformers']:.2f}", f"{medians['full']:.2f}",
+                     f"{medians['full'] / medians['transformers']:.3f}"]
+                    + [f"{medians[name]:.2f} ({speedups[name]:.2f}x)" for name in configs]
+                    + [" / ".join(f"{peaks[name]:.0f}" for name in peaks)])
         print(f"{length} tokens done", flush=True)
-    print(
-        markdown_table(
-            ["tokens", "transformers s", "full s", "lazy s", "full / transformers", "lazy speedup", "peak MiB (tf/full/lazy)"],
-            rows,
-        )
-    )
+    print(markdown_table(["tokens", "transformers s", "full s", "full / transformers"]
+                         + [f"{name} s (speedup)" for name in configs]
+                         + [f"peak MiB ({' / '.join(['tf', 'full', *configs])})"], rows))
     ids = long_text_ids(loaded.tokenizer, args.decode_prompt)
-    rates, revived = bench_decode(model, ids, lazy, args.decode_tokens, args.repeats)
+    rates, revived = bench_decode(model, ids, configs, args.decode_tokens, args.repeats)
     report["decode"] = {
         "prompt_tokens": args.decode_prompt,
         "tokens": args.decode_tokens,
         "tokens_per_s": rates,
         "full_over_transformers": rates["full"] / rates["transformers"],
-        "lazy_over_full": rates["lazy"] / rates["full"],
-        "lazy_revived_token_layers": revived,
+        "over_full": {name: rates[name] / rates["full"] for name in configs},
+        "revived_token_layers": revived,
     }
     print()
-    print(
-        markdown_table(
-            ["decode after", "transformers tok/s", "full tok/s", "lazy tok/s", "full / transformers", "lazy / full"],
-            [
-                [
-                    f"{args.decode_prompt} tokens, {args.decode_tokens} steps",
-                    f"{rates['transformers']:.1f}",
-                    f"{rates['full']:.1f}",
-                    f"{rates['lazy']:.1f}",
-                    f"{report['decode']['full_over_transformers']:.2f}x",
-                    f"{report['decode']['lazy_over_full']:.2f}x",
-                ]
-            ],
-        )
-    )
+    print(markdown_table(
+        ["decode after", "transformers tok/s", "full tok/s"] + [f"{name} tok/s (/ full, revived)" for name in configs],
+        [[f"{args.decode_prompt} tokens, {args.decode_tokens} steps", f"{rates['transformers']:.1f}", f"{rates['full']:.1f}"]
+         + [f"{rates[name]:.1f} ({rates[name] / rates['full']:.2f}x, {revived[name]})" for name in configs]],
+    ))
     write_json(Path(args.out), report)
     print(f"\nwrote {args.out}")
     return 0

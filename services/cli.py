@@ -21,7 +21,8 @@ def _load_llm(settings):
     from shared.llm import LLM
     from shared.models import load_model
 
-    return LLM(load_model(settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir))
+    loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir)
+    return LLM(loaded, default_preset=settings.pruning_preset)
 
 
 def cmd_run_batch(args) -> int:
@@ -75,7 +76,8 @@ def cmd_gateway(args) -> int:
 def cmd_up(args) -> int:
     from services.up import up
 
-    return up(args.model, args.port, args.decode_workers, args.prefill_actors, args.threads, args.local_threshold)
+    return up(args.model, args.port, args.decode_workers, args.prefill_actors, args.threads, args.local_threshold,
+              pruning_preset=args.pruning)
 
 
 def cmd_certs(args) -> int:
@@ -114,7 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     batch = sub.add_parser("run-batch", help="run an OpenAI Batch API JSONL file through the engine")
     batch.add_argument("-i", "--input", required=True)
     batch.add_argument("-o", "--output", required=True)
-    batch.add_argument("--pruning", default="default", help="off | default | FILE.json (a body's own wins)")
+    batch.add_argument(
+        "--pruning", default=None,
+        help="a preset (off, default, fast, lazyllm) or FILE.json for every line; a body's own wins; "
+        "without it, lines get the default preset (LAZYSERVE_PRUNING_PRESET, else 'default')",
+    )
     batch.add_argument("--model", default=None, help="model name or local checkpoint folder")
     batch.add_argument("--threads", type=int, default=None)
     batch.add_argument("--compare", action="store_true", help="also run unpruned and print both side by side")
@@ -140,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_argument("--decode-workers", type=int, default=1)
     stack.add_argument("--prefill-actors", type=int, default=1)
     stack.add_argument("--local-threshold", type=int, default=None)
+    stack.add_argument("--pruning", default=None, choices=["off", "default", "fast", "lazyllm"],
+                       help="the pruning preset of requests that name none (LAZYSERVE_PRUNING_PRESET; else 'default')")
 
     gateway = sub.add_parser("gateway", help="serve the OpenAI-compatible REST API (flags override LAZYSERVE_GATEWAY_*)")
     gateway.add_argument("--model", default=None)

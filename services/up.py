@@ -25,10 +25,13 @@ console = Console(stderr=True)
 
 
 class Stack:
-    def __init__(self):
+    def __init__(self, pruning_preset: str | None = None):
         self.processes: list[tuple[str, subprocess.Popen]] = []
         # Internal gRPC calls need this token: only processes of this stack can reach the workers.
         self.token = os.environ.get("LAZYSERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
+        self.env = {**os.environ, "LAZYSERVE_INTERNAL_TOKEN": self.token}
+        if pruning_preset is not None:  # every process of the stack, so all agree on the default
+            self.env["LAZYSERVE_PRUNING_PRESET"] = pruning_preset
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
         # Own session: Ctrl-C in the terminal reaches only `up`, which stops the children in order.
@@ -37,7 +40,7 @@ class Stack:
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            env={**os.environ, "LAZYSERVE_INTERNAL_TOKEN": self.token},
+            env=self.env,
         )
         self.processes.append((name, process))
         return process
@@ -81,8 +84,8 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 
 
 def up(model: str | None, port: int, decode_workers: int, prefill_actors: int, threads: int | None,
-       local_threshold: int | None, timeout: float = 600.0) -> int:
-    stack = Stack()
+       local_threshold: int | None, timeout: float = 600.0, pruning_preset: str | None = None) -> int:
+    stack = Stack(pruning_preset)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -24,10 +24,10 @@ class Completion:
 
 
 class LLM(TextModel):
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, default_preset: str = "default"):
         if loaded.tokenizer is None:
             raise ValueError(f"model {loaded.name} has no tokenizer; text requests need one")
-        super().__init__(loaded.name, loaded.tokenizer, loaded.engine.spec, loaded.stop_token_ids)
+        super().__init__(loaded.name, loaded.tokenizer, loaded.engine.spec, loaded.stop_token_ids, default_preset)
         self.loaded = loaded
         self.engine = loaded.engine
 

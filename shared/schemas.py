@@ -13,9 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.engine.pruning import PruneConfig
+from shared.engine.pruning import PRESET_NAMES, PruneConfig
 
-PruningField = Literal["off", "default"] | PruneConfig
+PruningField = Literal["off", "default", "fast", "lazyllm"] | PruneConfig
+assert set(PruningField.__args__[0].__args__) == set(PRESET_NAMES), "the schema names every preset"
 
 
 class _Request(BaseModel):
@@ -30,7 +31,9 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    pruning: PruningField = "default"
+    pruning: PruningField | None = Field(
+        None, description="a preset name or a schedule; absent: the server's default preset (pruning_preset)"
+    )
 
     @field_validator("stop")
     @classmethod

@@ -85,10 +85,11 @@ def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) 
             code="context_length_exceeded",
         )
     try:
-        pruning = llm.resolve_pruning(request.pruning)
+        # As it applies to this prompt: a preset's min_prompt_tokens turns it off for short ones.
+        pruning = llm.resolve_pruning(request.pruning).for_prompt(len(ids))
     except ValueError as error:
         raise RequestError(400, f"bad pruning config: {error}", param="pruning") from None
-    label = request.pruning if isinstance(request.pruning, str) else "custom"
+    label = request.pruning if isinstance(request.pruning, str) else "custom" if request.pruning else llm.default_preset
     sampling = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=request.temperature,

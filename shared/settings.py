@@ -6,6 +6,7 @@ Built once at an entry point and passed down; nothing reads the environment at i
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -22,6 +23,9 @@ class EngineSettings(BaseSettings):
     dtype: str = "float32"
     threads: int | None = Field(None, ge=1, description="torch intra-op threads; None keeps torch's default")
     cache_dir: Path = Field(default_factory=default_cache_dir)
+    pruning_preset: Literal["off", "default", "fast", "lazyllm"] = Field(
+        "default", description="the pruning preset of every request that does not name its own"
+    )
 
     def apply_threads(self) -> None:
         if self.threads:

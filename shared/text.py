@@ -11,7 +11,7 @@ from functools import cached_property
 from pathlib import Path
 
 from shared.engine import ModelSpec, PruneConfig
-from shared.engine.pruning import default_pruning
+from shared.engine.pruning import preset
 
 
 @dataclass
@@ -20,6 +20,8 @@ class TextModel:
     tokenizer: object  # a transformers tokenizer
     spec: ModelSpec
     stop_token_ids: tuple[int, ...]
+    # The preset a request without its own `pruning` gets: the process's pruning_preset setting.
+    default_preset: str = "default"
 
     @property
     def max_positions(self) -> int:
@@ -29,9 +31,9 @@ class TextModel:
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
-    @cached_property
+    @property
     def default_pruning(self) -> PruneConfig:
-        return default_pruning(self.spec.num_layers)
+        return preset(self.default_preset, self.spec.num_layers)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -42,11 +44,12 @@ class TextModel:
             return list(prompt)
         return self.tokenizer(prompt).input_ids
 
-    def resolve_pruning(self, pruning: str | PruneConfig) -> PruneConfig:
-        if pruning == "off":
-            config = PruneConfig(mode="off")
-        elif pruning == "default":
+    def resolve_pruning(self, pruning: str | PruneConfig | None) -> PruneConfig:
+        """A preset name, a schedule, or None for this server's default preset."""
+        if pruning is None:
             config = self.default_pruning
+        elif isinstance(pruning, str):
+            config = preset(pruning, self.spec.num_layers)
         else:
             config = pruning
         return config.check_for(self.spec.num_layers)

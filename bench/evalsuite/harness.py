@@ -1,8 +1,13 @@
-"""`lazyserve eval`: the suite through run-batch's code path, for many pruning configurations.
+"""`lazyserve eval`: fidelity to the unpruned model and retained accuracy, per pruning configuration.
 
-Every case runs unpruned first (its output is the reference for fidelity and summaries), then under
-each configuration. Outputs: results JSON with every record, a markdown table, and a PNG of TTFT
-speedup against accuracy, one panel per prompt length.
+Every case runs unpruned once (the reference: first-token distribution, a 32-token greedy
+continuation with its distributions); each configuration is then compared with it on the same
+case (bench/evalsuite/fidelity.py). Per (length, configuration): first-token top-1 agreement and
+KL, teacher-forced agreement and KL, greedy prefix match, the paired accuracy difference on the
+answer-bearing tasks, the share of the unpruned model's solved cases still solved, code and
+summary fidelity, each with a 95% bootstrap interval over cases; TTFT speedup and the time each
+configuration took. Outputs: results JSON with every record, a markdown table, and a PNG of TTFT
+speedup against retained accuracy and against teacher-forced agreement.
 """
 
 from __future__ import annotations
@@ -16,92 +21,130 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.common import machine, markdown_table
-from bench.evalsuite import scorers
-from bench.evalsuite.tasks import TASKS, make_suite
+from bench.evalsuite import fidelity, scorers
+from bench.evalsuite.intervals import mean_ci, paired_difference_ci
+from bench.evalsuite.tasks import ANSWER_TASKS, DEFAULT_TASKS, TASKS, make_suite
 
-# Candidate schedules on a 30-layer model: (layer, keep) after 0-based layer.
+# Schedules to compare besides the presets, on a 30-layer model: (layer, keep) after 0-based layer.
 SCHEDULES = {
-    "default": "default",
-    "gentle": {"stages": [[8, 0.6], [16, 0.4], [22, 0.25]]},
     "late": {"stages": [[12, 0.4], [18, 0.2]]},
     "mid": {"stages": [[5, 0.5], [11, 0.3], [17, 0.15]]},
-    "aggressive": {"stages": [[2, 0.3], [6, 0.15], [10, 0.08]]},
-    "mid-sinks": {"stages": [[5, 0.5], [11, 0.3], [17, 0.15]], "sink_tokens": 4},
-    "mid-block": {"stages": [[5, 0.5], [11, 0.3], [17, 0.15]], "granularity": "block", "block_size": 16},
     "mid-static": {"stages": [[5, 0.5], [11, 0.3], [17, 0.15]], "mode": "static"},
     "mid-random": {"stages": [[5, 0.5], [11, 0.3], [17, 0.15]], "mode": "random"},
+    "mid-block": {"stages": [[5, 0.5], [11, 0.3], [17, 0.15]], "granularity": "block", "block_size": 16},
 }
-QUICK_CONFIGS = ("default", "mid-static", "mid-random")
-QUICK_TASKS = ("passkey", "multikey", "fewshot")
+QUICK_CONFIGS = ("default", "fast")
+QUICK_TASKS = ("passkey", "fewshot")
+
+
+def resolve_configs(names: list[str], extra: list[str], llm) -> dict:
+    """name -> PruneConfig for presets, the named schedules above and NAME=JSON schedules."""
+    from shared.engine import PruneConfig
+
+    configs = {}
+    for name in names:
+        if name in SCHEDULES:
+            configs[name] = PruneConfig(**SCHEDULES[name]).check_for(llm.spec.num_layers)
+        else:
+            configs[name] = llm.resolve_pruning(name)
+    for item in extra:
+        name, _, body = item.partition("=")
+        configs[name] = PruneConfig.model_validate_json(body).check_for(llm.spec.num_layers)
+    return configs
+
+
+def case_ids(llm, case) -> list[int]:
+    if case.url == "/v1/completions":
+        return llm.prompt_ids(case.content)
+    return llm.chat_ids([{"role": "user", "content": case.content}])
 
 
 def run_case(llm, case, configs: dict) -> list[dict]:
-    from shared.serving import choice_text, respond
-
-    records = []
-    full = respond(llm, case.url, case.body() | {"pruning": "off"}).model_dump()
-    full_text = choice_text(full)
-    full_tokens = llm.tokenizer(full_text, add_special_tokens=False).input_ids
-    for name, pruning in {"off": "off", **configs}.items():
-        body = full if name == "off" else respond(llm, case.url, case.body() | {"pruning": pruning}).model_dump()
-        text = choice_text(body)
-        tokens = llm.tokenizer(text, add_special_tokens=False).input_ids
-        records.append(
-            {
-                "case": case.id,
-                "task": case.task,
-                "split": case.split,
-                "tokens": body["usage"]["prompt_tokens"],
-                "target_tokens": case.target_tokens,
-                "depth": case.depth,
-                "config": name,
-                "ttft_s": body["metrics"]["ttft_s"],
-                "ttft_full_s": full["metrics"]["ttft_s"],
-                "computed_fraction": body["metrics"]["computed_fraction"],
-                "score": scorers.score(case.scorer, text, case.answer, case.labels, full_text),
-                "fidelity": scorers.prefix_agreement(tokens, full_tokens),
-                "output": text,
-            }
-        )
+    """Records of one case: the unpruned reference as "off", then every configuration against it."""
+    model, stops = llm.engine, tuple(llm.stop_token_ids)
+    ids = case_ids(llm, case)
+    ref = fidelity.reference(model, ids, stops)
+    ref_tokens = [t for t in ref.tokens[: case.max_tokens] if t not in stops]
+    ref_text = llm.tokenizer.decode(ref_tokens, skip_special_tokens=True)
+    ref_score = scorers.score(case.scorer, ref_text, case.answer, case.labels, ref_text)
+    base = {"case": case.id, "task": case.task, "split": case.split, "tokens": len(ids),
+            "target_tokens": case.target_tokens, "depth": case.depth, "ttft_full_s": ref.ttft_s,
+            "ref_score": ref_score, "ref_output": ref_text}
+    records = [base | {"config": "off", "ttft_s": ref.ttft_s, "seconds": ref.ttft_s, "score": ref_score,
+                       "first_kl": 0.0, "first_top1": 1.0, "teacher_top1": 1.0, "teacher_kl": 0.0,
+                       "prefix_match": 1.0, "computed_fraction": 1.0, "revived_token_layers": 0,
+                       "output": ref_text}]
+    for name, config in configs.items():
+        if name == "off":
+            continue
+        run = fidelity.run(model, ids, config, ref, case.max_tokens, stops)
+        text = llm.tokenizer.decode(run.tokens, skip_special_tokens=True)
+        records.append(base | {
+            "config": name, "ttft_s": run.ttft_s, "seconds": run.seconds,
+            "score": scorers.score(case.scorer, text, case.answer, case.labels, ref_text),
+            "first_kl": run.first_kl, "first_top1": run.first_top1, "teacher_top1": run.teacher_top1,
+            "teacher_kl": run.teacher_kl, "prefix_match": run.prefix_match,
+            "computed_fraction": run.computed_fraction, "revived_token_layers": run.revived_token_layers,
+            "output": text,
+        })
     return records
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """Per (length, config): accuracy = mean over tasks of each task's mean score; speedup = median TTFT ratio."""
+    """Per (length, config): fidelity means, paired accuracy differences and intervals, speed."""
     rows = []
-    keys = sorted({(r["target_tokens"], r["config"]) for r in records})
-    for length, config in keys:
+    for length, config in sorted({(r["target_tokens"], r["config"]) for r in records}):
         mine = [r for r in records if r["target_tokens"] == length and r["config"] == config]
-        tasks = sorted({r["task"] for r in mine})
-        per_task = {t: statistics.mean(r["score"] for r in mine if r["task"] == t) for t in tasks}
-        rows.append(
-            {
-                "length": length,
-                "config": config,
-                "cases": len(mine),
-                "accuracy": statistics.mean(per_task.values()),
-                "per_task": per_task,
-                "fidelity": statistics.mean(r["fidelity"] for r in mine),
-                "ttft_speedup": statistics.median(r["ttft_full_s"] / r["ttft_s"] for r in mine),
-                "ttft_s": statistics.median(r["ttft_s"] for r in mine),
-                "computed_fraction": statistics.mean(r["computed_fraction"] for r in mine),
-            }
-        )
+        answers = [r for r in mine if r["task"] in ANSWER_TASKS]
+        solved = [r for r in answers if r["ref_score"] == 1.0]
+        code = [r for r in mine if r["task"] == "code"]
+        summary = [r for r in mine if r["task"] == "summary"]
+        rows.append({
+            "length": length,
+            "config": config,
+            "cases": len(mine),
+            "answer_cases": len(answers),
+            "solved_cases": len(solved),
+            "first_top1": mean_ci(r["first_top1"] for r in mine),
+            "first_kl": statistics.mean(r["first_kl"] for r in mine),
+            "teacher_top1": mean_ci(r["teacher_top1"] for r in mine),
+            "teacher_kl": statistics.mean(r["teacher_kl"] for r in mine),
+            "prefix_match": statistics.mean(r["prefix_match"] for r in mine),
+            "accuracy": mean_ci(r["score"] for r in answers),
+            "accuracy_delta": paired_difference_ci([r["score"] for r in answers], [r["ref_score"] for r in answers]),
+            "retained": mean_ci(r["score"] for r in solved),
+            "code_delta": paired_difference_ci([r["score"] for r in code], [r["ref_score"] for r in code]),
+            "summary_rouge": mean_ci(r["score"] for r in summary),
+            "per_task": {t: statistics.mean(r["score"] for r in mine if r["task"] == t)
+                         for t in sorted({r["task"] for r in mine})},
+            "ttft_speedup": statistics.median(r["ttft_full_s"] / r["ttft_s"] for r in mine),
+            "ttft_s": statistics.median(r["ttft_s"] for r in mine),
+            "computed_fraction": statistics.mean(r["computed_fraction"] for r in mine),
+            "revived_token_layers": statistics.mean(r["revived_token_layers"] for r in mine),
+            "seconds": sum(r["seconds"] for r in mine),
+        })
     return rows
 
 
+def _pct(triple) -> str:
+    mean, low, high = triple
+    return "n/a" if mean != mean else f"{100 * mean:.1f} [{100 * low:.1f}, {100 * high:.1f}]"
+
+
+def _pp(triple) -> str:
+    mean, low, high = triple
+    return "n/a" if mean != mean else f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
+
+
 def table(rows: list[dict]) -> str:
-    tasks = sorted({t for row in rows for t in row["per_task"]})
-    body = []
-    for row in rows:
-        off = next(r for r in rows if r["length"] == row["length"] and r["config"] == "off")
-        body.append(
-            [row["length"], row["config"], f"{row['ttft_speedup']:.2f}x", f"{row['computed_fraction']:.2f}",
-             f"{100 * row['accuracy']:.1f}", f"{100 * (row['accuracy'] - off['accuracy']):+.1f}",
-             f"{100 * row['fidelity']:.0f}"]
-            + [f"{100 * row['per_task'].get(t, float('nan')):.0f}" for t in tasks]
-        )
-    header = ["tokens", "config", "TTFT speedup", "computed", "accuracy %", "vs off (pp)", "fidelity %"] + tasks
+    header = ["tokens", "config", "cases", "TTFT speedup", "computed", "first-token top-1 %", "first KL",
+              "teacher-forced top-1 %", "teacher KL", "prefix match %", "accuracy vs off (pp)",
+              "retained % (solved)", "code vs off (pp)", "summary ROUGE-L %", "seconds"]
+    body = [[row["length"], row["config"], row["cases"], f"{row['ttft_speedup']:.2f}x", f"{row['computed_fraction']:.2f}",
+             _pct(row["first_top1"]), f"{row['first_kl']:.3f}", _pct(row["teacher_top1"]), f"{row['teacher_kl']:.3f}",
+             f"{100 * row['prefix_match']:.0f}", _pp(row["accuracy_delta"]),
+             f"{_pct(row['retained'])} of {row['solved_cases']}", _pp(row["code_delta"]), _pct(row["summary_rouge"]),
+             f"{row['seconds']:.0f}"] for row in rows]
     return markdown_table(header, body)
 
 
@@ -112,34 +155,53 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     lengths = sorted({row["length"] for row in rows})
-    figure, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4.2), squeeze=False)
-    for axis, length in zip(axes[0], lengths):
-        for row in (r for r in rows if r["length"] == length):
-            axis.scatter(100 * row["accuracy"], row["ttft_speedup"], color="black" if row["config"] == "off" else None)
-            axis.annotate(row["config"], (100 * row["accuracy"], row["ttft_speedup"]), fontsize=7,
-                          xytext=(3, 3), textcoords="offset points")
-        axis.set_title(f"{length} prompt tokens")
-        axis.set_xlabel("accuracy (%)")
-        axis.set_ylabel("TTFT speedup over unpruned (x)")
-        axis.grid(alpha=0.3)
+    panels = (("accuracy_delta", "accuracy vs unpruned (pp, answer tasks)"),
+              ("teacher_top1", "teacher-forced top-1 agreement (%)"))
+    figure, axes = plt.subplots(len(panels), len(lengths), figsize=(5 * len(lengths), 8), squeeze=False)
+    for column, length in enumerate(lengths):
+        for line, (key, label) in enumerate(panels):
+            axis = axes[line][column]
+            for row in (r for r in rows if r["length"] == length):
+                mean, low, high = (100 * value for value in row[key])
+                if mean != mean:
+                    continue
+                axis.errorbar(mean, row["ttft_speedup"], xerr=[[mean - low], [high - mean]], fmt="o", capsize=3,
+                              color="black" if row["config"] == "off" else None)
+                axis.annotate(row["config"], (mean, row["ttft_speedup"]), fontsize=7, xytext=(3, 3),
+                              textcoords="offset points")
+            axis.set_title(f"{length} prompt tokens")
+            axis.set_xlabel(label)
+            axis.set_ylabel("TTFT speedup over unpruned (x)")
+            axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
+def _names(values: list[str]) -> list[str]:
+    return [name for value in values for name in value.split(",") if name]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lazyserve eval", description=__doc__)
+    parser = argparse.ArgumentParser(prog="lazyserve eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 6144])
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    parser.add_argument("--configs", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help=f"from {', '.join(TASKS)}")
+    parser.add_argument("--configs", nargs="+", default=["off", "default", "fast"],
+                        help=f"presets or {', '.join(SCHEDULES)}; commas or spaces")
+    parser.add_argument("--schedule", action="append", default=[], metavar="NAME=JSON",
+                        help="an extra configuration, a PruneConfig as JSON (repeatable)")
     parser.add_argument("--split", choices=["dev", "test"], default="dev")
-    parser.add_argument("--limit", type=int, default=1, help="cases per (task, length)")
+    parser.add_argument("--limit", type=int, default=30, help="cases per (task, length)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="1k tokens, 3 tasks, 4 configs: a few minutes")
+    parser.add_argument("--quick", action="store_true", help="1k tokens, 2 tasks, 3 cases each: under 5 minutes")
     parser.add_argument("--out", default="out/eval")
     args = parser.parse_args(argv)
+    args.configs, args.tasks = _names(args.configs), _names(args.tasks)
+    if unknown := set(args.tasks) - set(TASKS):
+        parser.error(f"unknown tasks {sorted(unknown)}; choose from {', '.join(TASKS)}")
     if args.quick:
-        args.lengths, args.tasks, args.configs, args.limit = [1024], list(QUICK_TASKS), list(QUICK_CONFIGS), 1
+        args.lengths, args.tasks, args.configs, args.limit = [1024], list(QUICK_TASKS), ["off", *QUICK_CONFIGS], 3
 
     import torch
 
@@ -148,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     llm = LLM(load_model(args.model))
-    configs = {name: SCHEDULES[name] for name in args.configs}
+    try:
+        configs = resolve_configs(args.configs, args.schedule, llm)
+    except ValueError as error:
+        parser.error(str(error))
     cases = make_suite(llm.tokenizer, args.tasks, args.lengths, args.split, args.limit)
     records, start = [], time.time()
     for case in tqdm(cases, desc="eval", unit="case"):
@@ -156,14 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(records)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = vars(args) | {"default_schedule": llm.default_pruning.model_dump(), "seconds": time.time() - start}
+    settings = vars(args) | {"resolved": {name: config.model_dump() for name, config in configs.items()},
+                             "seconds": time.time() - start}
     (out / "results.json").write_text(json.dumps({"settings": settings, "machine": machine(), "summary": rows,
                                                    "records": records}, indent=2))
     markdown = table(rows)
     (out / "table.md").write_text(markdown + "\n")
-    plot(rows, out / "speed_accuracy.png")
+    plot(rows, out / "speed_fidelity.png")
     print(markdown)
-    print(f"\nwrote {out}/results.json, table.md, speed_accuracy.png in {time.time() - start:.0f} s")
+    print(f"\nwrote {out}/results.json, table.md, speed_fidelity.png in {time.time() - start:.0f} s")
     return 0
 
 

@@ -1,5 +1,9 @@
 """The offline long-context suite: LongBench-style tasks generated from text every CPython ships.
 
+Retrieval tasks end in a cue the answer completes ("The pass key is"), through /v1/completions:
+asked as a chat question, SmolLM2-135M-Instruct found the fact in 2 of 5 passkey and 0 of 5
+multikey cases at 4k tokens unpruned, and a task the model fails unpruned measures nothing.
+
 Haystacks come from `pydoc_data.topics` (the language reference); code comes from the standard
 library's own sources. Every case is a pure function of (task, target length, depth, seed): the
 same arguments give the same prompt on any machine with the same Python. A case records where its
@@ -19,6 +23,13 @@ from pathlib import Path
 from bench.common import reference_text
 
 TASKS = ("passkey", "multikey", "multidoc", "fewshot", "code", "summary")
+# Tasks with one right answer; code and summary are scored against the truth and the unpruned output.
+ANSWER_TASKS = ("passkey", "multikey", "multidoc", "fewshot")
+# What `lazyserve eval` runs unless told: answer tasks the unpruned model solves in at least 60% of
+# 4k cases (calibrated on dev: passkey 3/4, multikey 3/4, fewshot 5/5; multidoc 0/4, so it measures
+# nothing on this model and is left out), plus code. Summary fidelity is what teacher-forced
+# agreement measures more cheaply.
+DEFAULT_TASKS = ("passkey", "multikey", "fewshot", "code")
 DEPTHS = (0.1, 0.5, 0.9)
 LENGTH_TOLERANCE = 0.05
 
@@ -79,12 +90,12 @@ def _insert(haystack: str, depth: float, needle: str) -> tuple[str, int]:
 def _passkey(rng, chars, depth):
     key = str(rng.randrange(10000, 99999))
     content, at = _insert(_haystack(rng, chars), depth, f"The pass key is {key}. Remember it. {key} is the pass key.")
-    return content + "\n\nWhat is the pass key?", key, at
+    return content + "\n\nThe pass key is", key, at
 
 
 def _multikey(rng, chars, depth):
     haystack = _haystack(rng, chars)
-    names = _words(rng, 24)
+    names = _words(rng, 6)
     values = [str(rng.randrange(1000, 9999)) for _ in names]
     asked = rng.randrange(len(names))
     # The asked fact goes at `depth`; the distractors spread evenly elsewhere.
@@ -93,7 +104,7 @@ def _multikey(rng, chars, depth):
     for rank, i in enumerate(others):
         pieces, _ = _insert(pieces, (rank + 0.5) / len(others), f"The value of key {names[i]} is {values[i]}.")
     pieces, offset_of_asked = _insert(pieces, depth, f"The value of key {names[asked]} is {values[asked]}.")
-    return pieces + f"\n\nWhat is the value of key {names[asked]}?", values[asked], offset_of_asked
+    return pieces + f"\n\nThe value of key {names[asked]} is", values[asked], offset_of_asked
 
 
 def _multidoc(rng, chars, depth):
@@ -113,7 +124,7 @@ def _multidoc(rng, chars, depth):
             answer_offset = offset + len(header) + at
         docs.append(header + body + "\n\n")
         offset += len(docs[-1])
-    question = f"What is the code word of the document titled '{titles[target]}'?"
+    question = f"The code word of the document titled '{titles[target]}' is"
     return "".join(docs) + question, code_words[target], answer_offset
 
 
@@ -173,9 +184,9 @@ def _summary(rng, chars, depth):
 
 
 _BUILDERS = {
-    "passkey": (_passkey, "/v1/chat/completions", 16, "contains"),
-    "multikey": (_multikey, "/v1/chat/completions", 16, "contains"),
-    "multidoc": (_multidoc, "/v1/chat/completions", 16, "contains"),
+    "passkey": (_passkey, "/v1/completions", 16, "contains"),
+    "multikey": (_multikey, "/v1/completions", 16, "contains"),
+    "multidoc": (_multidoc, "/v1/completions", 16, "contains"),
     "fewshot": (_fewshot, "/v1/completions", 3, "label"),
     "code": (_code, "/v1/completions", 24, "edit_similarity"),
     "summary": (_summary, "/v1/chat/completions", 32, "rouge_vs_full"),

@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from shared.engine.pruning import PRESET_NAMES
 from shared.llm import LLM
 from shared.schemas import BatchInputLine, BatchOutputLine, BatchResponse, ErrorBody
 from shared.serving import RequestError, respond, validation_message
@@ -39,7 +40,7 @@ def _error_line(custom_id, status: int | None, message: str, code: str, param=No
     return BatchOutputLine(custom_id=custom_id, response=response, error=error)
 
 
-def run_line(llm: LLM, raw: str, pruning_flag: str | dict) -> BatchOutputLine:
+def run_line(llm: LLM, raw: str, pruning_flag: str | dict | None) -> BatchOutputLine:
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as error:
@@ -50,7 +51,8 @@ def run_line(llm: LLM, raw: str, pruning_flag: str | dict) -> BatchOutputLine:
     except ValidationError as error:
         return _error_line(custom_id, None, f"invalid batch line: {validation_message(error)}", "invalid_line")
     body = dict(line.body)
-    body.setdefault("pruning", pruning_flag)  # the body's own pruning wins over the flag
+    if pruning_flag is not None:
+        body.setdefault("pruning", pruning_flag)  # the body's own pruning wins over the flag
     try:
         result = respond(llm, line.url, body)
     except RequestError as error:
@@ -62,16 +64,17 @@ def run_line(llm: LLM, raw: str, pruning_flag: str | dict) -> BatchOutputLine:
     return BatchOutputLine(custom_id=line.custom_id, response=response)
 
 
-def load_pruning_flag(value: str) -> str | dict:
-    if value in ("off", "default"):
+def load_pruning_flag(value: str | None) -> str | dict | None:
+    """A preset name, a JSON schedule file, or None (each line gets the default preset)."""
+    if value is None or value in PRESET_NAMES:
         return value
     path = Path(value)
     if not path.exists():
-        raise SystemExit(f"--pruning takes off, default or a JSON file; {value!r} is none of these")
+        raise SystemExit(f"--pruning takes a preset ({', '.join(PRESET_NAMES)}) or a JSON file; {value!r} is neither")
     return json.loads(path.read_text())
 
 
-def run_batch(llm: LLM, source: Path, target: Path, pruning_flag: str | dict, progress: bool = True) -> BatchSummary:
+def run_batch(llm: LLM, source: Path, target: Path, pruning_flag: str | dict | None, progress: bool = True) -> BatchSummary:
     lines = [raw for raw in source.read_text().splitlines() if raw.strip()]
     summary = BatchSummary()
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.decode.scheduler import FAILED, TOKEN, Scheduler, Sequence
 from services.decode.settings import DecodeSettings
+from shared.engine.pruning import preset
 from services.decode.transfers import TransferTable
 from shared.engine import (
     Generation,
@@ -49,6 +50,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.loaded, self.model = loaded, loaded.engine
         self.transfers = TransferTable(settings.max_transfers, settings.transfer_timeout_s, settings.claim_timeout_s)
         self.scheduler = Scheduler(settings.max_sequences)
+        # For a prompt that names no pruning (the router always names one).
+        self.default_pruning = preset(settings.engine.pruning_preset, loaded.engine.spec.num_layers)
 
     # ------------------------------------------------------------------ PushKV
     def PushKV(self, request_iterator, context):
@@ -175,7 +178,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         raise InvalidArgument("GenerateRequest needs a transfer_id or a prompt")
 
     def _local_request(self, prompt: pb.LocalPrompt) -> tuple[torch.Tensor, PruneConfig, SamplingParams]:
-        ids, config, params = prompt_from_pb(prompt.prompt_ids, prompt.pruning, prompt.sampling, self.model.spec)
+        pruning = prompt.pruning if prompt.HasField("pruning") else self.default_pruning
+        ids, config, params = prompt_from_pb(prompt.prompt_ids, pruning, prompt.sampling, self.model.spec)
         return torch.tensor(ids, dtype=torch.long), config, params
 
     def _local_tokens(self, sequence: Sequence, ids: torch.Tensor, config: PruneConfig, params: SamplingParams):

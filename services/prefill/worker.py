@@ -19,6 +19,7 @@ from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.prefill.sender import KVSender
 from services.prefill.settings import PrefillSettings
+from shared.engine.pruning import preset
 from shared.engine import Sampler, Stats, fill_prefill_stats, prefill
 from shared.models import LoadedModel
 from opentelemetry.trace import SpanKind
@@ -46,12 +47,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.auth = settings.internal_auth()  # its channels to decode workers use the same credentials
         self.counters = PrefillCounters()
         self._slots = threading.Semaphore(settings.max_concurrent_prefills)
+        # For a request that names no pruning (the router always names one).
+        self.default_pruning = preset(settings.engine.pruning_preset, self.model.spec.num_layers)
 
     def Prefill(self, request: pb.PrefillRequest, context):
         spec = self.model.spec
         if not request.transfer_id or not request.decode_address:
             raise InvalidArgument("transfer_id and decode_address are required")
-        _, config, params = prompt_from_pb(request.prompt_ids, request.pruning, request.sampling, spec)
+        pruning = request.pruning if request.HasField("pruning") else self.default_pruning
+        _, config, params = prompt_from_pb(request.prompt_ids, pruning, request.sampling, spec)
         n = len(request.prompt_ids)
         timeout = context.time_remaining()
         timeout = self.settings.transfer_timeout_s if timeout is None else timeout

@@ -18,6 +18,7 @@ def serve(settings: GatewaySettings) -> int:
     setup_logging()
     setup_tracing("lazyserve-gateway")
     text = load_text_model(settings.engine.model, settings.engine.cache_dir)
+    text.default_preset = settings.engine.pruning_preset
     app = create_app(settings, text)
     # log_config=None: uvicorn keeps our JSON log lines instead of installing its own format.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False)

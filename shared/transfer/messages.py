@@ -87,12 +87,18 @@ def sampling_from_pb(message: pb.SamplingParams, vocab_size: int) -> SamplingPar
     )
 
 
-def prompt_from_pb(prompt_ids, pruning: pb.PruneConfig, sampling: pb.SamplingParams, spec) -> tuple[list[int], PruneConfig, SamplingParams]:
-    """A prompt and its parameters as received, checked against the model (spec: ModelSpec)."""
+def prompt_from_pb(
+    prompt_ids, pruning: pb.PruneConfig | PruneConfig, sampling: pb.SamplingParams, spec
+) -> tuple[list[int], PruneConfig, SamplingParams]:
+    """A prompt and its parameters as received, checked against the model (spec: ModelSpec).
+    pruning: the received message, or the receiver's default preset where the request had none."""
     if len(prompt_ids) == 0:
         raise FrameError("prompt_ids is empty")
     check_token_ids(prompt_ids, spec.vocab_size, "prompt_ids")
-    config = pruning_from_pb(pruning, spec.num_layers)
+    if isinstance(pruning, PruneConfig):
+        config = pruning.check_for(spec.num_layers)
+    else:
+        config = pruning_from_pb(pruning, spec.num_layers)
     params = sampling_from_pb(sampling, spec.vocab_size)
     if len(prompt_ids) + params.max_new_tokens > spec.max_positions:
         raise FrameError(

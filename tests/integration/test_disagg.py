@@ -16,7 +16,7 @@ from services.prefill.settings import PrefillSettings
 from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
 from shared import rpc
 from shared.engine import OFF, SamplingParams, generate
-from shared.engine.pruning import default_pruning
+from shared.engine.pruning import preset
 from shared.settings import EngineSettings
 
 SAMPLINGS = {
@@ -60,7 +60,10 @@ def test_disaggregated_tokens_equal_in_process(model, pruning, sampling, actors,
     else:
         decode = decode_worker(loaded)[1]
     prefill = PrefillClient(actor_addresses([actors[model]])[0])
-    config = OFF if pruning == "off" else default_pruning(loaded.engine.spec.num_layers)
+    # The default preset, also below its minimum prompt length: its query windows travel too.
+    config = OFF if pruning == "off" else preset("default", loaded.engine.spec.num_layers).model_copy(
+        update={"min_prompt_tokens": 0}
+    )
     params = SAMPLINGS[sampling]
     ids = _prompt(loaded)
     expected = generate(loaded.engine, ids, config, params)

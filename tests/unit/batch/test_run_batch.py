@@ -20,7 +20,7 @@ def _chat(custom_id, content="Say something about lists.", **body):
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
 
 
-def _run(llm, tmp_path, lines, pruning="default"):
+def _run(llm, tmp_path, lines, pruning="lazyllm"):  # a preset that prunes short prompts too
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("\n".join(lines) + "\n")
     run_batch(llm, source, target, pruning, progress=False)
@@ -82,10 +82,20 @@ def test_bad_lines_get_error_lines_and_the_rest_still_run(llm, tmp_path):
 
 
 def test_body_pruning_overrides_the_flag(llm, tmp_path):
-    out = _run(llm, tmp_path, [_chat("flag"), _chat("body", pruning="default")], pruning="off")
+    out = _run(llm, tmp_path, [_chat("flag"), _chat("body", pruning="lazyllm")], pruning="off")
     flag, body = (line["response"]["body"]["metrics"] for line in out)
     assert flag["pruning"] == "off" and flag["token_layers_computed"] == flag["token_layers_full"]
-    assert body["pruning"] == "default" and body["token_layers_computed"] < body["token_layers_full"]
+    assert body["pruning"] == "lazyllm" and body["token_layers_computed"] < body["token_layers_full"]
+
+
+def test_lines_without_pruning_get_the_default_preset(tiny_llama, tmp_path):
+    """No flag, no body field: the process's preset, which does not prune prompts under its minimum length."""
+    out = _run(LLM(tiny_llama, default_preset="lazyllm"), tmp_path, [_chat("a")], pruning=None)
+    metrics = out[0]["response"]["body"]["metrics"]
+    assert metrics["pruning"] == "lazyllm" and metrics["token_layers_computed"] < metrics["token_layers_full"]
+    out = _run(LLM(tiny_llama), tmp_path, [_chat("b")], pruning=None)
+    metrics = out[0]["response"]["body"]["metrics"]
+    assert metrics["pruning"] == "default" and metrics["token_layers_computed"] == metrics["token_layers_full"]
 
 
 def test_custom_schedule_in_body(llm, tmp_path):

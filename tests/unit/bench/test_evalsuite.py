@@ -68,19 +68,27 @@ def test_scorers_on_known_inputs():
     assert scorers.prefix_agreement([5], [1, 2]) == 0.0
 
 
-def test_summary_averages_tasks_then_configs():
+def test_summary_pairs_cases_and_counts_only_solved_ones_as_retained():
     from bench.evalsuite.harness import summarize, table
 
-    def record(task, config, score, ttft, full=4.0):
-        return {"target_tokens": 1024, "task": task, "config": config, "score": score, "fidelity": 1.0,
-                "ttft_s": ttft, "ttft_full_s": full, "computed_fraction": 0.5}
+    def record(task, config, score, ref_score, ttft, full=4.0, top1=1.0):
+        return {"target_tokens": 1024, "task": task, "config": config, "score": score, "ref_score": ref_score,
+                "ttft_s": ttft, "ttft_full_s": full, "computed_fraction": 0.5, "first_top1": top1, "first_kl": 0.0,
+                "teacher_top1": top1, "teacher_kl": 0.0, "prefix_match": top1, "revived_token_layers": 0,
+                "seconds": ttft}
 
     records = [
-        record("passkey", "off", 1.0, 4.0), record("passkey", "off", 0.0, 4.0), record("code", "off", 0.5, 4.0),
-        record("passkey", "lazy", 1.0, 1.0), record("passkey", "lazy", 1.0, 2.0), record("code", "lazy", 0.0, 2.0),
+        record("passkey", "off", 1.0, 1.0, 4.0), record("passkey", "off", 0.0, 0.0, 4.0),
+        record("code", "off", 0.5, 0.5, 4.0),
+        record("passkey", "lazy", 0.0, 1.0, 1.0, top1=0.0), record("passkey", "lazy", 1.0, 0.0, 2.0),
+        record("code", "lazy", 0.25, 0.5, 2.0),
     ]
     rows = {row["config"]: row for row in summarize(records)}
-    assert rows["off"]["accuracy"] == pytest.approx((0.5 + 0.5) / 2)  # each task weighs the same
-    assert rows["lazy"]["accuracy"] == pytest.approx((1.0 + 0.0) / 2)
+    assert rows["off"]["accuracy_delta"] == (0.0, 0.0, 0.0)
+    assert rows["lazy"]["accuracy_delta"][0] == pytest.approx(0.0)  # one case lost, one gained: paired
+    assert rows["lazy"]["retained"][0] == 0.0 and rows["lazy"]["solved_cases"] == 1  # the solved case was lost
+    assert rows["lazy"]["code_delta"][0] == pytest.approx(-0.25)
+    assert rows["lazy"]["first_top1"][0] == pytest.approx(2 / 3)
     assert rows["lazy"]["ttft_speedup"] == pytest.approx(2.0)  # median of 4x, 2x, 2x
-    assert "+0.0" in table(list(rows.values()))
+    assert rows["lazy"]["answer_cases"] == 2 and rows["lazy"]["cases"] == 3
+    assert "| 1024 | lazy | 3 | 2.00x |" in table(list(rows.values()))

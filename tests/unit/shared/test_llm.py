@@ -49,3 +49,16 @@ def test_a_vanishing_temperature_samples_the_argmax():
     for temperature in (1e-300, 5e-324, 1e-12):
         params = SamplingParams(temperature=temperature, seed=0)
         assert sample(logits, params, torch.Generator().manual_seed(0)) == 1
+
+
+def test_a_short_question_gets_the_unpruned_answer_by_default(llm):
+    """The paper's rule changed this 31-token question's greedy answer; the default preset leaves
+    prompts under its minimum length unpruned."""
+    ids = llm.chat_ids([{"role": "user", "content": "What is 2+2?"}])
+    params = SamplingParams(max_new_tokens=16)
+    unpruned = llm.complete(ids, params, OFF)
+    default = llm.complete(ids, params, llm.resolve_pruning(None))
+    assert llm.default_preset == "default"
+    assert default.text == unpruned.text
+    stats = default.generation.stats
+    assert stats.token_layers_computed == stats.token_layers_full
