@@ -3,8 +3,9 @@
 At layer l the live set (sorted original positions) is computed; its KV is written to the cache.
 After a stage layer, the attention of the last live queries (the configured window) scores the
 live tokens, the top fraction goes on, and the rest stop: their hidden states go to that layer's
-Aux Cache. A `lazy` schedule keeps that window of queries for decode's re-selection. Every finished layer is handed
-to `on_layer` as a LayerFrame, which the disaggregated prefill streams as it comes.
+Aux Cache. A `lazy` schedule keeps that window of queries for decode's re-selection. Every
+finished layer is handed to `on_layer` as a LayerFrame, which the disaggregated prefill streams
+as it comes.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class PruneConfig(BaseModel):
         None, gt=0.0, le=1.0, description="keep the fewest tokens holding this share of the attention, at most the stage's keep"
     )
     min_keep: float = Field(0.0, ge=0.0, le=1.0, description="with keep_mass: keep at least this fraction")
-    min_prompt_tokens: int = Field(0, ge=0, description="prompts shorter than this are not pruned")
+    min_prompt_tokens: int = Field(0, ge=0, le=MAX_PROTECTED, description="prompts shorter than this are not pruned")
 
     @field_validator("stages")
     @classmethod
@@ -248,12 +248,12 @@ def select(
 # - default: the fastest schedule found whose answers stay with the unpruned model's;
 # - fast: faster, with a stated loss;
 # - lazyllm: the paper's rule (one query, first cut at 10% depth), the default before; kept for comparison.
+_ANSWER_KEEPING = {"window": 16, "pool_kernel": 7, "recent_tokens": 32, "sink_tokens": 4, "min_prompt_tokens": 1024}
 PRESETS: dict[str, dict] = {
     "off": {"mode": "off"},
-    "default": {"stages": ((0.5, 0.4),), "window": 16, "pool_kernel": 7, "recent_tokens": 32, "sink_tokens": 4,
-                "min_prompt_tokens": 1024},
-    "fast": {"stages": ((0.4, 0.3),), "window": 16, "pool_kernel": 7, "recent_tokens": 32, "sink_tokens": 4,
-             "min_prompt_tokens": 1024},
+    # One cut after layer 18 of 30: cutting at 12 or earlier lost 33-50 points on dev.
+    "default": {"stages": ((0.6, 0.2),), **_ANSWER_KEEPING},
+    "fast": {"stages": ((0.6, 0.1),), **_ANSWER_KEEPING},
     "lazyllm": {"stages": ((0.1, 0.5), (0.2, 0.3), (0.4, 0.15))},
 }
 PRESET_NAMES = tuple(PRESETS)
