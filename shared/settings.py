@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.engine.pruning import PRESET_NAMES
 from shared.models import DEFAULT_MODEL, default_cache_dir
 from shared.transport import InternalAuth, TlsFiles
 
@@ -23,7 +24,7 @@ class EngineSettings(BaseSettings):
     dtype: str = "float32"
     threads: int | None = Field(None, ge=1, description="torch intra-op threads; None keeps torch's default")
     cache_dir: Path = Field(default_factory=default_cache_dir)
-    pruning_preset: Literal["off", "default", "fast", "lazyllm"] = Field(
+    pruning_preset: Literal[PRESET_NAMES] = Field(
         "default", description="the pruning preset of every request that does not name its own"
     )
 

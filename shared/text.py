@@ -7,7 +7,6 @@ The gateway tokenizes and detokenizes with this alone; workers hold the weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 from shared.engine import ModelSpec, PruneConfig
