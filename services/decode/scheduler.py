@@ -1,9 +1,20 @@
-"""The decode worker's engine thread: every active sequence advances one step per round.
+"""The decode worker's engine thread: continuous batching of every running sequence.
 
-Only this thread touches the model. Sequences take turns (round-robin), so a long generation
-never holds up another's steps; a local prefill (short prompts only, by the router's choice)
-runs as one turn. Batching several sequences into one forward pass is not done: the steps are
-interleaved, not fused.
+Only this thread touches the model. Each round has nano-vllm's three parts:
+- schedule: the sequences that can step (prompt in the cache, not finished, not cancelled, their
+  reader not `max_unsent` tokens behind), at most `max_batch_size`, those that waited longest
+  first; a new sequence joins at the next round, a finished or cancelled one leaves at once;
+- run: one `decode_batch` over all of them (the weights are read once per round, not once per
+  sequence), and before it, at most one local prefill (short prompts the router sends here)
+  advanced by whole layers within the round's row budget (`max_batch_tokens` less one row per
+  decoding sequence), so it delays the running streams by at most that much work; with nothing decoding it
+  runs to the end at once;
+- postprocess: each sequence samples its own row with its own generator (a seeded request gives
+  the same tokens batched or alone), its tokens go to its outbox, the finished retire.
+
+A local prefill is chunked at layer granularity (engine.PrefillRun): a stage layer's selection
+needs the last queries' attention over the whole prompt, which a token-chunked layer would only
+have after its last chunk, and whole layers keep the cache bit-identical to an unchunked prefill.
 """
 
 from __future__ import annotations
@@ -13,9 +24,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
-from shared.engine import Generation, LazyCache
+from shared.engine import Decoding, EngineModel, Generation, PrefillRun, SamplingParams, decode_batch, fill_prefill_stats
 from shared.rpc import ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -23,27 +33,57 @@ log = logging.getLogger(__name__)
 TOKEN, DONE, FAILED = "token", "done", "failed"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a sequence is found in the active list by `is`
 class Sequence:
+    """One request on the engine thread: a local prefill still running, or a decode loop."""
+
     request_id: str
-    tokens: Iterator[int]  # a generator: one next() is one engine step
     generation: Generation
-    cache: LazyCache | None = None  # known once prefilled; for the bytes-held figure
+    decoding: Decoding | None = None  # once the prompt is in the cache
+    prefill: PrefillRun | None = None  # a local prefill not finished yet
+    params: SamplingParams | None = None  # with `prefill`: how to decode after it
     outbox: queue.Queue = field(default_factory=queue.Queue)  # (TOKEN, id) ... then (DONE|FAILED, detail)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    prefill_started: float | None = None  # when its local prefill first ran
+
+    @classmethod
+    def resumed(cls, request_id: str, decoding: Decoding, first_token: int) -> "Sequence":
+        """A transferred cache: the first token was sampled by the prefill worker and sent already."""
+        decoding.accept(first_token)
+        return cls(request_id, decoding.generation, decoding=decoding)
+
+    @classmethod
+    def local(cls, request_id: str, run: PrefillRun, params: SamplingParams) -> "Sequence":
+        return cls(request_id, Generation(), prefill=run, params=params)
+
+    @property
+    def held_bytes(self) -> int:
+        if self.decoding is not None:
+            return self.decoding.cache.held_bytes
+        return self.prefill.cache.held_bytes if self.prefill is not None else 0
 
 
 # Tokens a sequence may have made that its client has not taken yet. A slow reader pauses its
-# own sequence here (its steps are skipped) instead of buffering without bound or holding the
-# engine; the others keep their turns.
+# own sequence here (it sits out of the batch) instead of buffering without bound or holding the
+# engine; the others keep stepping.
 MAX_UNSENT_TOKENS = 256
 
 
 class Scheduler:
-    def __init__(self, max_sequences: int, max_unsent: int = MAX_UNSENT_TOKENS):
+    def __init__(
+        self,
+        model: EngineModel,
+        max_sequences: int,
+        max_batch_size: int = 32,
+        max_batch_tokens: int = 2048,
+        max_unsent: int = MAX_UNSENT_TOKENS,
+    ):
+        self.model = model
         self.max_sequences, self.max_unsent = max_sequences, max_unsent
+        self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self.revived_token_layers = 0  # over finished sequences
-        self._active: list[Sequence] = []
+        self.steps = 0  # batched decode steps run
+        self._active: list[Sequence] = []  # in turn order: the front waited longest
         self._lock = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
@@ -63,8 +103,8 @@ class Scheduler:
 
     def bytes_held(self) -> int:
         with self._lock:
-            caches = [s.cache for s in self._active if s.cache is not None]
-        return sum(cache.kv_bytes + cache.aux_bytes for cache in caches)
+            active = list(self._active)
+        return sum(sequence.held_bytes for sequence in active)
 
     def close(self) -> None:
         with self._lock:
@@ -81,28 +121,91 @@ class Scheduler:
                     for sequence in self._active:
                         sequence.outbox.put((FAILED, "the decode worker is shutting down"))
                     return
-                turn = list(self._active)
-            ready = [s for s in turn if s.cancelled.is_set() or s.outbox.qsize() < self.max_unsent]
-            if not ready:
-                time.sleep(0.005)  # every client is behind: wait for one to read
-            for sequence in ready:
-                if not self._step(sequence):
-                    with self._lock:
-                        self._active.remove(sequence)
+                active = list(self._active)
+            try:
+                self._round(active)
+            except Exception:  # a bug in one round must not stop the engine thread
+                log.exception("decode round failed")
+                for sequence in active:
+                    self._retire(sequence, FAILED, "generation failed: internal error")
 
-    def _step(self, sequence: Sequence) -> bool:
-        """Advance one sequence by one token; False when it has finished."""
-        if sequence.cancelled.is_set():
-            sequence.tokens.close()  # runs the generator's finally: stats filled, nothing held
-            sequence.outbox.put((DONE, "cancelled"))
-            return False
+    # ------------------------------------------------------------------ one round
+    def _round(self, active: list[Sequence]) -> None:
+        batch, prefilling = self._schedule(active)
+        if prefilling is not None:
+            budget = None if not batch else max(self.max_batch_tokens - len(batch), 0)
+            self._advance_prefill(prefilling, budget)
+        if batch:
+            self._decode(batch)
+        elif prefilling is None:
+            time.sleep(0.005)  # every reader is behind: wait for one to take its tokens
+
+    def _schedule(self, active: list[Sequence]) -> tuple[list[Sequence], Sequence | None]:
+        batch, prefilling = [], None
+        for sequence in active:
+            decoding = sequence.decoding
+            if sequence.cancelled.is_set():
+                self._retire(sequence, DONE, "cancelled")
+            elif decoding is not None and decoding.done:
+                self._retire(sequence, DONE, sequence.generation.finish_reason)
+            elif sequence.prefill is not None:
+                prefilling = prefilling or sequence
+            elif len(batch) < self.max_batch_size and sequence.outbox.qsize() < self.max_unsent:
+                batch.append(sequence)
+        if len(batch) == self.max_batch_size:
+            with self._lock:  # those that stepped go to the back: the others go first next time
+                stepped = set(map(id, batch))
+                self._active.sort(key=lambda sequence: id(sequence) in stepped)
+        return batch, prefilling
+
+    def _advance_prefill(self, sequence: Sequence, budget: int | None) -> None:
+        """Run whole layers of a local prefill, within `budget` rows (None: to the end); at least one."""
+        run, rows = sequence.prefill, 0
+        if sequence.prefill_started is None:
+            sequence.prefill_started = time.perf_counter()
         try:
-            sequence.outbox.put((TOKEN, next(sequence.tokens)))
-            return True
-        except StopIteration:
+            while not run.done and (budget is None or rows == 0 or rows + run.next_rows <= budget):
+                rows += run.step()
+        except Exception as error:
+            log.exception("local prefill of %s failed", sequence.request_id)
+            self._retire(sequence, FAILED, f"generation failed: {type(error).__name__}")
+            return
+        if not run.done:
+            return
+        fill_prefill_stats(sequence.generation.stats, run.cache, time.perf_counter() - sequence.prefill_started)
+        sequence.decoding = Decoding(run.cache, run.config, sequence.params, sequence.generation)
+        sequence.prefill = None
+        self._emit(sequence, run.logits)
+
+    def _decode(self, batch: list[Sequence]) -> None:
+        steps = [(s.decoding.cache, s.decoding.next_token, s.decoding.config) for s in batch]
+        try:
+            logits = decode_batch(self.model, steps)
+        except Exception as error:
+            # Each cache took part of this step, so none can be retried: all of them fail.
+            log.exception("a decode step of %d sequences failed", len(batch))
+            for sequence in batch:
+                self._retire(sequence, FAILED, f"generation failed: {type(error).__name__}")
+            return
+        self.steps += 1
+        for sequence, row in zip(batch, logits):
+            self._emit(sequence, row)
+
+    def _emit(self, sequence: Sequence, logits) -> None:
+        token = sequence.decoding.advance(logits)
+        if token is not None:
+            sequence.outbox.put((TOKEN, token))
+        if sequence.decoding.done:
+            self._retire(sequence, DONE, sequence.generation.finish_reason)
+
+    def _retire(self, sequence: Sequence, kind: str, detail: str) -> None:
+        """Take a sequence out: its stats filled, then its last outbox item; nothing of it stays."""
+        with self._lock:
+            if sequence not in self._active:
+                return
+            self._active.remove(sequence)
+        if sequence.decoding is not None:
+            sequence.decoding.close(self.model.spec.num_layers)
             self.revived_token_layers += sequence.generation.stats.revived_token_layers
-            sequence.outbox.put((DONE, sequence.generation.finish_reason))
-        except Exception as error:  # a failed request must not stop the engine thread
-            log.exception("sequence %s failed", sequence.request_id)
-            sequence.outbox.put((FAILED, f"generation failed: {type(error).__name__}"))
-        return False
+        sequence.prefill = None
+        sequence.outbox.put((kind, detail))

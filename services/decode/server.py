@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -23,15 +22,7 @@ from services.decode.scheduler import FAILED, TOKEN, Scheduler, Sequence
 from services.decode.settings import DecodeSettings
 from shared.engine.pruning import preset
 from services.decode.transfers import TransferTable
-from shared.engine import (
-    Generation,
-    PruneConfig,
-    SamplingParams,
-    Sampler,
-    decode_tokens,
-    fill_prefill_stats,
-    prefill,
-)
+from shared.engine import Decoding, Generation, PrefillRun, PruneConfig, Sampler, SamplingParams
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared.models import LoadedModel
@@ -49,7 +40,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, loaded: LoadedModel, settings: DecodeSettings):
         self.loaded, self.model = loaded, loaded.engine
         self.transfers = TransferTable(settings.max_transfers, settings.transfer_timeout_s, settings.claim_timeout_s)
-        self.scheduler = Scheduler(settings.max_sequences)
+        self.scheduler = Scheduler(
+            self.model, settings.max_sequences, settings.max_batch_size, settings.max_batch_tokens
+        )
         # For a prompt that names no pruning (the router always names one).
         self.default_pruning = preset(settings.engine.pruning_preset, loaded.engine.spec.num_layers)
 
@@ -154,41 +147,23 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def _sequence(self, request: pb.GenerateRequest) -> Sequence:
         request_id = request.request_id or uuid.uuid4().hex
         source = request.WhichOneof("source")
-        generation = Generation()
         if source == "transfer_id":
             assembled = self.transfers.claim(request.transfer_id)
-            generation.stats = assembled.prefill_stats
+            generation = Generation(stats=assembled.prefill_stats)
             generation.stats.completion_tokens = 0
-            tokens = decode_tokens(
-                self.model,
-                assembled.cache,
-                None,
-                assembled.config,
-                assembled.params,
-                generation,
-                Sampler(assembled.params, assembled.sampler_state),
-                first_token=assembled.first_token,
-            )
-            return Sequence(request_id, tokens, generation, assembled.cache)
+            sampler = Sampler(assembled.params, assembled.sampler_state)
+            decoding = Decoding(assembled.cache, assembled.config, assembled.params, generation, sampler)
+            return Sequence.resumed(request_id, decoding, assembled.first_token)
         if source == "prompt":
             ids, config, params = self._local_request(request.prompt)
-            sequence = Sequence(request_id, iter(()), generation)
-            sequence.tokens = self._local_tokens(sequence, ids, config, params)
-            return sequence
+            # Prefilled here, a layer at a time between decode steps, on the engine thread.
+            return Sequence.local(request_id, PrefillRun(self.model, ids, config, reserve=params.max_new_tokens), params)
         raise InvalidArgument("GenerateRequest needs a transfer_id or a prompt")
 
     def _local_request(self, prompt: pb.LocalPrompt) -> tuple[torch.Tensor, PruneConfig, SamplingParams]:
         pruning = prompt.pruning if prompt.HasField("pruning") else self.default_pruning
         ids, config, params = prompt_from_pb(prompt.prompt_ids, pruning, prompt.sampling, self.model.spec)
         return torch.tensor(ids, dtype=torch.long), config, params
-
-    def _local_tokens(self, sequence: Sequence, ids: torch.Tensor, config: PruneConfig, params: SamplingParams):
-        """A short prompt prefilled on this worker: no transfer. Runs on the engine thread."""
-        start = time.perf_counter()
-        cache, logits = prefill(self.model, ids, config, reserve=params.max_new_tokens)
-        sequence.cache = cache
-        fill_prefill_stats(sequence.generation.stats, cache, time.perf_counter() - start)
-        yield from decode_tokens(self.model, cache, logits, config, params, sequence.generation)
 
     # ------------------------------------------------------------------ Status
     def Status(self, request, context):

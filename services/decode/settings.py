@@ -19,4 +19,10 @@ class DecodeSettings(WorkerSettings):
     claim_timeout_s: float = Field(30.0, gt=0, description="lease: a complete transfer must be claimed by Generate within this")
     max_transfers: int = Field(64, ge=1, description="transfers receiving or waiting at once")
     max_sequences: int = Field(64, ge=1, description="sequences generating at once")
+    # Batch defaults for 2 CPU cores: `lazyserve bench decode` shows aggregate tokens/s still
+    # rising at 16 sequences there (docs/results.md); 32 keeps a step's latency bounded.
+    max_batch_size: int = Field(32, ge=1, description="sequences advanced by one decode step")
+    max_batch_tokens: int = Field(
+        2048, ge=1, description="rows per step: a local prefill runs whole layers within this less the decode rows"
+    )
     grpc_workers: int = Field(160, ge=4, description="server threads: one per open stream")

@@ -1,8 +1,9 @@
 """The lazyserve engine: LazyLLM prefill and decode over a Llama-family model. No I/O lives here."""
 
 from shared.engine.cache import LazyCache, QueryWindow
-from shared.engine.decode import decode_step
+from shared.engine.decode import decode_batch, decode_step
 from shared.engine.generate import (
+    Decoding,
     Generation,
     Sampler,
     SamplingParams,
@@ -13,23 +14,26 @@ from shared.engine.generate import (
     stream,
 )
 from shared.engine.model import EngineModel, ModelSpec, UnsupportedModelError
-from shared.engine.prefill import LayerFrame, prefill
+from shared.engine.prefill import LayerFrame, PrefillRun, prefill
 from shared.engine.pruning import OFF, PruneConfig, select
 from shared.engine.stats import Stats
 
 __all__ = [
     "OFF",
+    "Decoding",
     "EngineModel",
     "Generation",
     "LayerFrame",
     "LazyCache",
     "ModelSpec",
+    "PrefillRun",
     "PruneConfig",
     "QueryWindow",
     "Sampler",
     "SamplingParams",
     "Stats",
     "UnsupportedModelError",
+    "decode_batch",
     "decode_step",
     "decode_tokens",
     "fill_prefill_stats",

@@ -19,27 +19,40 @@ from shared.engine.model import ModelSpec
 
 
 class LayerKV:
-    """Growable K/V store of one layer. k, v: [1, Hkv, capacity, D]; positions: [capacity]."""
+    """Growable K/V store of one layer. k, v: [1, Hkv, capacity, D]; positions: [capacity].
 
-    def __init__(self, spec: ModelSpec, capacity: int, dtype: torch.dtype, device: torch.device):
-        shape = (1, spec.num_kv_heads, max(capacity, 1), spec.head_dim)
+    Nothing is allocated until the first append, which takes what it writes plus `headroom` rows
+    (the tokens decode will add): a pruned layer holds room for its kept tokens, not the prompt's.
+    """
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, headroom: int = 0):
+        shape = (1, spec.num_kv_heads, 0, spec.head_dim)
         self._k = torch.empty(shape, dtype=dtype, device=device)
         self._v = torch.empty(shape, dtype=dtype, device=device)
-        self._positions = torch.empty(shape[2], dtype=torch.long, device=device)
+        self._positions = torch.empty(0, dtype=torch.long, device=device)
+        self.headroom = headroom
         self.size = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._positions.shape[0]
 
     def append(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         m = positions.shape[0]
-        if self.size + m > self._positions.shape[0]:
-            self._grow(self.size + m)
+        if self.size + m > self.capacity:
+            growth = self.headroom if self.capacity == 0 else self.capacity  # first fill, then doubling
+            self.resize(self.size + m + growth)
         end = self.size + m
         self._k[:, :, self.size : end] = k
         self._v[:, :, self.size : end] = v
         self._positions[self.size : end] = positions
         self.size = end
 
-    def _grow(self, needed: int) -> None:
-        capacity = max(needed, 2 * self._positions.shape[0])
+    def resize(self, capacity: int) -> None:
+        """Move to buffers of exactly `capacity` rows (at least the rows held)."""
+        capacity = max(capacity, self.size)
+        if capacity == self.capacity:
+            return
         for name in ("_k", "_v"):
             old = getattr(self, name)
             new = old.new_empty(old.shape[:2] + (capacity,) + old.shape[3:])
@@ -63,7 +76,13 @@ class LayerKV:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the K/V rows held."""
         return 2 * self.k.numel() * self.k.element_size()
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the K/V buffers, room included."""
+        return 2 * self._k.numel() * self._k.element_size()
 
 
 @dataclass
@@ -108,13 +127,14 @@ class LazyCache:
 
     @classmethod
     def empty(cls, spec: ModelSpec, num_prompt: int, extra: int, dtype, device) -> "LazyCache":
+        """A cache for a prompt of `num_prompt` tokens; each layer keeps room for `extra` decode rows."""
         capacity = num_prompt + extra
         hidden = torch.empty(0, spec.hidden_size, dtype=dtype, device=device)
         none = torch.empty(0, dtype=torch.long, device=device)
         return cls(
             spec=spec,
             num_prompt=num_prompt,
-            layers=[LayerKV(spec, capacity, dtype, device) for _ in range(spec.num_layers)],
+            layers=[LayerKV(spec, dtype, device, headroom=extra) for _ in range(spec.num_layers)],
             aux=[AuxEntries(none, hidden) for _ in range(spec.num_layers)],
             depth=torch.zeros(capacity, dtype=torch.long, device=device),
         )
@@ -155,9 +175,25 @@ class LazyCache:
         self.aux[layer] = AuxEntries(entries.positions[keep], entries.hidden[keep])
         return hidden
 
+    def reserve(self, extra: int) -> None:
+        """Make each layer's room exactly its rows plus `extra`: done once when a transfer is
+        assembled, so the first decode steps neither grow nor copy any layer's buffers."""
+        for layer in self.layers:
+            layer.headroom = extra
+            layer.resize(layer.size + extra)
+        if self.depth.shape[0] < self.length + extra:
+            grown = self.depth.new_zeros(self.length + extra)
+            grown[: self.depth.shape[0]] = self.depth
+            self.depth = grown
+
     @property
     def kv_bytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def held_bytes(self) -> int:
+        """Memory this cache holds: K/V buffers with their room, and the Aux Cache."""
+        return sum(layer.allocated_bytes for layer in self.layers) + self.aux_bytes
 
     @property
     def aux_bytes(self) -> int:

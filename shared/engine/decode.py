@@ -1,15 +1,30 @@
-"""One decode step with LazyLLM's per-step re-selection and revival from the Aux Cache.
+"""Decode steps with LazyLLM's per-step re-selection and revival from the Aux Cache, batched.
 
-The new token runs through every layer. Under `lazy`, each stage layer scores the live prompt
-tokens by the attention of the new token and the query window before it (the configured
-`window`; 1 is the new token alone) and keeps the top fraction (generated tokens are always kept).
-A kept token that has no KV at the next layer stopped exactly at this one, so its hidden state is
-in this layer's Aux Cache: it is revived from there and computed onward, layer by layer, together
-with the new token, until it is dropped again (back into the Aux Cache) or reaches the last layer.
-Under `static`, `random` and `off`, the live set at each layer is whatever has KV there.
+`decode_batch` advances any number of sequences by one token each in one pass over the layers:
+the rows of every sequence (its new token, plus the tokens it revives at that layer) go through
+the norms, the q/k/v and output projections and the MLP as one matrix, so the weights are read
+once per step for the whole batch. Attention, selection and the Aux Cache stay per sequence, each
+with its own cache and pruning config; `decode_step` is a batch of one.
+
+Within one sequence: the new token runs through every layer. Under `lazy`, each stage layer scores
+the live prompt tokens by the attention of the new token and the query window before it (the
+configured `window`; 1 is the new token alone) and keeps the top fraction (generated tokens are
+always kept). A kept token that has no KV at the next layer stopped exactly at this one, so its
+hidden state is in this layer's Aux Cache: it is revived from there and computed onward, layer by
+layer, together with the new token, until it is dropped again (back into the Aux Cache) or reaches
+the last layer. Under `static`, `random` and `off`, the live set at each layer is whatever has KV
+there.
+
+Attention is one SDPA call per sequence over its own keys. The alternative, one call over keys
+padded to the longest sequence (or one block-masked call over all keys), has to gather every
+sequence's K and V into a new tensor at every layer of every step: `lazyserve bench decode`
+measures both on the same shapes, and the per-sequence calls win at every batch size tried there
+(docs/results.md), because a decode query row is cheap and the copy is not.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -19,55 +34,59 @@ from shared.engine.model import EngineModel
 from shared.engine.pruning import PruneConfig, ScoreInputs, scorer_for, select
 
 
-@torch.inference_mode()
-def decode_step(model: EngineModel, cache: LazyCache, token: int, config: PruneConfig) -> torch.Tensor:
-    """Append `token` at the next position and return the logits [vocab] for the one after it."""
-    spec = model.spec
-    num_prompt = cache.num_prompt
-    config = config.for_prompt(num_prompt)
-    new_position = cache.length
-    reselects = config.enabled and config.reselects
-    scorer = scorer_for(config)
-    # Rows computed at the current layer: revived tokens (sorted) and the new token, always last.
-    rows = torch.tensor([new_position], device=model.device)
-    h = model.embed_tokens(rows.new_tensor([token]))  # [rows, hidden]
-    live = None  # bool [new_position + 1] over positions; None: every token with KV here is live
-    for index in range(spec.num_layers):
-        q, k, v = project_qkv(model, index, h, rows)
-        cache.write(index, rows, k, v)
-        cache.revived_token_layers += rows.shape[0] - 1
+class _Rows:
+    """One sequence inside a batched step: its rows at the current layer and its live set."""
+
+    def __init__(self, model: EngineModel, cache: LazyCache, config: PruneConfig):
+        self.model, self.cache = model, cache
+        self.num_prompt = cache.num_prompt
+        self.config = config.for_prompt(self.num_prompt)
+        self.new_position = cache.length
+        self.reselects = self.config.enabled and self.config.reselects
+        self.scorer = scorer_for(self.config)
+        # Rows computed at the current layer: revived tokens (sorted) and the new token, always last.
+        self.rows = torch.tensor([self.new_position], device=model.device)
+        self.h: torch.Tensor | None = None  # [rows, hidden]
+        self.live: torch.Tensor | None = None  # bool over positions; None: every token with KV here
+        self.q = self.key_live = None
+
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: bool) -> torch.Tensor:
+        """Write this layer's K/V of the rows, then attend over the live keys. Returns [1, H, rows or 1, D]."""
+        cache = self.cache
+        cache.write(index, self.rows, k, v)
+        cache.revived_token_layers += self.rows.shape[0] - 1
         kv = cache.layers[index]
-        key_live = None if live is None else live[kv.positions]  # [count]
-        if index == spec.num_layers - 1:
-            out = attend(model, q[:, :, -1:], kv.k, kv.v, mask=key_live)
-            h = finish(model, index, h[-1:], out)
-            break
-        if rows.shape[0] == 1:
-            out = attend(model, q, kv.k, kv.v, mask=key_live)
-        else:
-            # Revived rows attend causally, by original position, over the live keys.
-            mask = kv.positions[None, :] <= rows[:, None]
-            out = attend(model, q, kv.k, kv.v, mask=mask if key_live is None else mask & key_live[None])
-        h = finish(model, index, h, out)
-        keep = config.keep_at(index) if reselects else None
+        self.q, self.key_live = q, None if self.live is None else self.live[kv.positions]
+        if last or self.rows.shape[0] == 1:
+            return attend(self.model, q[:, :, -1:], kv.k, kv.v, mask=self.key_live)
+        # Revived rows attend causally, by original position, over the live keys.
+        mask = kv.positions[None, :] <= self.rows[:, None]
+        return attend(self.model, q, kv.k, kv.v, mask=mask if self.key_live is None else mask & self.key_live[None])
+
+    def reselect(self, index: int) -> None:
+        """After layer `index`: pick the live set, stash the rows that stop here, revive the ones that go on."""
+        config, cache = self.config, self.cache
+        keep = config.keep_at(index) if self.reselects else None
         if keep is None:
-            continue
-        candidates = kv.positions < num_prompt
-        if key_live is not None:
-            candidates &= key_live
+            return
+        kv = cache.layers[index]
+        candidates = kv.positions < self.num_prompt
+        if self.key_live is not None:
+            candidates &= self.key_live
         positions = kv.positions[candidates]
         attention = None
-        if scorer.needs_attention:
-            attention = _scores(model, cache, config, index, q[:, :, -1:], rows[-1:], kv, key_live)[candidates]
-        scores = scorer.score(ScoreInputs(index, positions, attention))
-        chosen = select(config, keep, scores, positions, num_prompt, mass=attention)
-        live = torch.zeros(new_position + 1, dtype=torch.bool, device=model.device)
-        live[num_prompt:] = True
+        if self.scorer.needs_attention:
+            attention = self._scores(index, kv)[candidates]
+        scores = self.scorer.score(ScoreInputs(index, positions, attention))
+        chosen = select(config, keep, scores, positions, self.num_prompt, mass=attention)
+        live = torch.zeros(self.new_position + 1, dtype=torch.bool, device=self.model.device)
+        live[self.num_prompt :] = True
         live[positions[chosen]] = True
+        self.live = live
         # Rows dropped here stop after this layer; kept tokens that stopped here earlier revive.
-        staying = live[rows]
-        cache.stash(index, rows[~staying], h[~staying])
-        rows, h = rows[staying], h[staying]
+        staying = live[self.rows]
+        cache.stash(index, self.rows[~staying], self.h[~staying])
+        rows, h = self.rows[staying], self.h[staying]
         waiting = cache.aux[index].positions
         revived = waiting[live[waiting]] if waiting.shape[0] else waiting
         if revived.shape[0]:
@@ -75,14 +94,58 @@ def decode_step(model: EngineModel, cache: LazyCache, token: int, config: PruneC
             h = torch.cat([cache.revive(index, revived), h])
             order = torch.argsort(rows)
             rows, h = rows[order], h[order]
-    return logits_of(model, h[-1])
+        self.rows, self.h = rows, h
+
+    def _scores(self, index: int, kv) -> torch.Tensor:
+        """Window attention over this layer's keys [count]; the new query [1, H, 1, D] joins the window."""
+        q_new, position = self.q[:, :, -1:], self.rows[-1:]
+        if self.config.window == 1:
+            return window_scores(self.model, q_new, kv.k, self.key_live)
+        cache = self.cache
+        window = cache.windows.get(index)
+        window = QueryWindow(position, q_new) if window is None else window.push(position, q_new, self.config.window)
+        cache.windows[index] = window
+        return window_scores(self.model, window.q, kv.k, self.key_live, window.positions, kv.positions)
 
 
-def _scores(model, cache: LazyCache, config: PruneConfig, index: int, q_new, position, kv, key_live) -> torch.Tensor:
-    """Window attention over this layer's keys [count]; the new query [1, H, 1, D] joins the window."""
-    if config.window == 1:
-        return window_scores(model, q_new, kv.k, key_live)
-    window = cache.windows.get(index)
-    window = QueryWindow(position, q_new) if window is None else window.push(position, q_new, config.window)
-    cache.windows[index] = window
-    return window_scores(model, window.q, kv.k, key_live, window.positions, kv.positions)
+@torch.inference_mode()
+def decode_batch(model: EngineModel, batch: Sequence[tuple[LazyCache, int, PruneConfig]]) -> torch.Tensor:
+    """Append each (cache, token, config)'s token at its cache's next position, all in one pass.
+
+    Returns the logits [len(batch), vocab] for each sequence's next token, in batch order. The
+    caches must be distinct: a sequence appears at most once per step.
+    """
+    assert batch, "an empty batch"
+    assert len({id(cache) for cache, _, _ in batch}) == len(batch), "a cache appears twice in one batch"
+    seqs = [_Rows(model, cache, config) for cache, _, config in batch]
+    tokens = torch.tensor([token for _, token, _ in batch], device=model.device)
+    h = model.embed_tokens(tokens)  # [batch, hidden]: one row per sequence to start with
+    for seq, rows in zip(seqs, h.split(1)):
+        seq.h = rows
+    last_layer = model.spec.num_layers - 1
+    for index in range(model.spec.num_layers):
+        sizes = [seq.rows.shape[0] for seq in seqs]
+        h = torch.cat([seq.h for seq in seqs]) if len(seqs) > 1 else seqs[0].h
+        rows = torch.cat([seq.rows for seq in seqs]) if len(seqs) > 1 else seqs[0].rows
+        q, k, v = project_qkv(model, index, h, rows)
+        last = index == last_layer
+        outs, start = [], 0
+        for seq, size in zip(seqs, sizes):
+            end = start + size
+            outs.append(seq.attend(index, q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], last))
+            start = end
+        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        if last:
+            # Only each sequence's new token predicts: the other rows needed KV here, nothing more.
+            tails = torch.cat([seq.h[-1:] for seq in seqs]) if len(seqs) > 1 else seqs[0].h[-1:]
+            return logits_of(model, finish(model, index, tails, out))
+        h = finish(model, index, h, out)
+        for seq, rows_h in zip(seqs, h.split(sizes)):
+            seq.h = rows_h
+            seq.reselect(index)
+    raise AssertionError("unreachable: the last layer returns")
+
+
+def decode_step(model: EngineModel, cache: LazyCache, token: int, config: PruneConfig) -> torch.Tensor:
+    """Append `token` at the next position and return the logits [vocab] for the one after it."""
+    return decode_batch(model, [(cache, token, config)])[0]

@@ -84,6 +84,52 @@ def fill_cache_stats(stats: Stats, cache: LazyCache, num_layers: int) -> None:
     stats.aux_cache_bytes = cache.aux_bytes
 
 
+class Decoding:
+    """One sequence's decode loop as data: the token to feed next, the tokens so far, when to stop.
+
+    The model call is not in here, so a scheduler can run one `decode_batch` for many Decodings
+    and hand each its row of logits (`advance`); `decode_tokens` is the loop for one.
+    """
+
+    def __init__(
+        self,
+        cache: LazyCache,
+        config: PruneConfig,
+        params: SamplingParams,
+        generation: Generation,
+        sampler: Sampler | None = None,
+    ):
+        self.cache, self.config, self.params, self.generation = cache, config, params, generation
+        self.sampler = sampler or Sampler(params)
+        self.next_token: int | None = None  # chosen and not yet fed to the model
+        self.done = False
+        self._start = time.perf_counter()
+
+    def accept(self, token: int) -> bool:
+        """Record a chosen token; False when it is a stop token (which is not output)."""
+        generation = self.generation
+        if token in self.params.stop_token_ids:
+            generation.finish_reason, self.done = "stop", True
+            return False
+        generation.tokens.append(token)
+        generation.stats.completion_tokens = len(generation.tokens)
+        if len(generation.tokens) >= self.params.max_new_tokens:
+            generation.finish_reason, self.done = "length", True
+        else:
+            self.next_token = token
+        return True
+
+    def advance(self, logits: torch.Tensor) -> int | None:
+        """Sample from `logits` [vocab]; the token to output, or None when it was a stop token."""
+        token = self.sampler(logits)
+        return token if self.accept(token) else None
+
+    def close(self, num_layers: int) -> None:
+        """Fill the stats; also when the consumer stops early (a stop string, a cancelled request)."""
+        self.generation.stats.decode_s = time.perf_counter() - self._start
+        fill_cache_stats(self.generation.stats, self.cache, num_layers)
+
+
 def decode_tokens(
     model: EngineModel,
     cache: LazyCache,
@@ -100,28 +146,22 @@ def decode_tokens(
     (a prefill worker): it is recorded but not yielded again.
     """
     assert (first_logits is None) != (first_token is None), "give first_logits or first_token"
-    sampler = sampler or Sampler(params)
-    stats = generation.stats
-    start = time.perf_counter()
-    token, emit = (sampler(first_logits), True) if first_token is None else (first_token, False)
+    decoding = Decoding(cache, config, params, generation, sampler)
     try:
-        while True:
-            if token in params.stop_token_ids:
-                generation.finish_reason = "stop"
+        if first_token is None:
+            token = decoding.advance(first_logits)
+            if token is None:
                 return
-            generation.tokens.append(token)
-            stats.completion_tokens = len(generation.tokens)
-            if emit:
-                yield token
-            emit = True
-            if len(generation.tokens) >= params.max_new_tokens:
-                generation.finish_reason = "length"
+            yield token
+        elif not decoding.accept(first_token):
+            return
+        while not decoding.done:
+            token = decoding.advance(decode_step(model, cache, decoding.next_token, config))
+            if token is None:
                 return
-            token = sampler(decode_step(model, cache, token, config))
+            yield token
     finally:
-        # Also when the consumer stops early (a stop string, a cancelled request).
-        stats.decode_s = time.perf_counter() - start
-        fill_cache_stats(stats, cache, model.spec.num_layers)
+        decoding.close(model.spec.num_layers)
 
 
 def fill_prefill_stats(stats: Stats, cache: LazyCache, ttft_s: float) -> None:

@@ -99,6 +99,6 @@ def window_scores(
     return torch.softmax(logits.float(), dim=-1).sum(dim=2).mean(dim=(0, 1))
 
 
-def logits_of(model: EngineModel, h_last: torch.Tensor) -> torch.Tensor:
-    """Final norm and lm_head on the one row that predicts the next token. [hidden] -> [vocab]."""
-    return model.lm_head(model.norm(h_last[None]))[0].float()
+def logits_of(model: EngineModel, h: torch.Tensor) -> torch.Tensor:
+    """Final norm and lm_head on rows that each predict a next token. [m, hidden] -> [m, vocab]."""
+    return model.lm_head(model.norm(h)).float()

@@ -60,7 +60,7 @@ class TransferAssembler:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.cache is None else self.cache.kv_bytes + self.cache.aux_bytes
+        return 0 if self.cache is None else self.cache.held_bytes
 
     def header(self, header: pb.TransferHeader) -> None:
         if self.transfer_id is not None:
@@ -151,6 +151,8 @@ class TransferAssembler:
             )
         if end.sampler_state and (params.seed is None or len(end.sampler_state) != SAMPLER_STATE_BYTES):
             raise FrameError(f"sampler_state must be empty, or {SAMPLER_STATE_BYTES} bytes with a seed")
+        # Room for the generated tokens now, on the receiving thread, not at the first decode steps.
+        cache.reserve(params.max_new_tokens)
         return Assembled(
             cache, list(end.prompt_ids), end.first_token, config, params, end.sampler_state, stats_from_pb(end.prefill_stats)
         )

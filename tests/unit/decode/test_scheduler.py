@@ -1,70 +1,166 @@
-"""The decode engine thread's turn-taking, with generators standing in for sequences (no model)."""
+"""The decode engine thread on a real (tiny) model: batching, chunked local prefill, slow readers,
+failures and cancellation."""
 
 from __future__ import annotations
 
-import itertools
+import threading
 import time
 
-from services.decode.scheduler import DONE, TOKEN, Scheduler, Sequence
-from shared.engine import Generation
+import pytest
+import torch
+
+from services.decode.scheduler import DONE, FAILED, TOKEN, Scheduler, Sequence
+from shared.engine import OFF, Decoding, Generation, PrefillRun, PruneConfig, SamplingParams, generate, prefill
+
+LAZY = PruneConfig(stages=((1, 0.5), (3, 0.2)))
 
 
-def _sequence(name: str, tokens) -> Sequence:
-    return Sequence(name, (token for token in tokens), Generation())  # a generator, as the engine gives
+def _ids(model, n: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, model.spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _drain(sequence: Sequence, timeout: float = 5.0) -> list:
-    items, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        kind, value = sequence.outbox.get(timeout=timeout)
-        items.append((kind, value))
-        if kind != TOKEN:
-            return items
-    raise AssertionError("the sequence never finished")
+def _local(model, name: str, ids, config, params) -> Sequence:
+    return Sequence.local(name, PrefillRun(model, ids, config, reserve=params.max_new_tokens), params)
 
 
-def test_a_reader_that_falls_behind_pauses_only_its_own_sequence():
-    scheduler = Scheduler(max_sequences=4, max_unsent=8)
-    try:
-        endless = _sequence("slow-reader", itertools.count())
-        scheduler.submit(endless)
-        time.sleep(0.2)
-        assert endless.outbox.qsize() == 8  # bounded: not one token more than the cap
-        quick = _sequence("quick", range(20))
-        scheduler.submit(quick)
-        items = _drain(quick)
-        assert [v for k, v in items if k == TOKEN] == list(range(20)) and items[-1][0] == DONE
-        assert endless.outbox.qsize() == 8
-        for _ in range(5):
-            endless.outbox.get_nowait()  # the reader catches up a little: its sequence moves again
-        time.sleep(0.1)
-        assert endless.outbox.qsize() == 8
-        endless.cancelled.set()
-        assert scheduler.num_active == 1 and _wait(lambda: scheduler.num_active == 0)
-    finally:
-        scheduler.close()
+def _resumed(model, name: str, ids, config, params) -> Sequence:
+    """As a transfer arrives: prefilled elsewhere, the first token sampled and sent already."""
+    cache, logits = prefill(model, ids, config, reserve=params.max_new_tokens)
+    decoding = Decoding(cache, config, params, Generation())
+    return Sequence.resumed(name, decoding, decoding.sampler(logits))
 
 
-def test_turns_interleave_and_a_failure_stays_with_its_sequence():
-    scheduler = Scheduler(max_sequences=4)
-    try:
-        def broken():
-            yield 1
-            raise RuntimeError("boom")
+class Reader:
+    """Drains an outbox on its own thread, stamping each item's arrival."""
 
-        bad, good = _sequence("bad", broken()), _sequence("good", range(5))
-        scheduler.submit(bad)
-        scheduler.submit(good)
-        assert _drain(bad)[-1][0] == "failed"
-        assert [v for k, v in _drain(good) if k == TOKEN] == list(range(5))
-    finally:
-        scheduler.close()
+    def __init__(self, sequence: Sequence):
+        self.items: list[tuple[float, str, object]] = []
+        self.thread = threading.Thread(target=self._read, args=(sequence,), daemon=True)
+        self.thread.start()
+
+    def _read(self, sequence):
+        while True:
+            kind, value = sequence.outbox.get(timeout=60)
+            self.items.append((time.monotonic(), kind, value))
+            if kind != TOKEN:
+                return
+
+    def wait(self):
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the sequence never finished"
+        return [value for _, kind, value in self.items if kind == TOKEN], self.items[-1][1:]
 
 
-def _wait(predicate, timeout: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
+@pytest.fixture
+def scheduler(tiny_llama):
+    scheduler = Scheduler(tiny_llama.engine, max_sequences=8, max_batch_size=8, max_batch_tokens=64, max_unsent=8)
+    yield scheduler
+    scheduler.close()
+
+
+def test_batched_sequences_give_what_each_gives_alone(tiny_llama, scheduler):
+    model = tiny_llama.engine
+    cases = [
+        ("local-off", 20, OFF, SamplingParams(max_new_tokens=15), _local),
+        ("local-lazy-seeded", 300, LAZY, SamplingParams(max_new_tokens=12, temperature=0.8, seed=4), _local),
+        ("resumed-lazy", 700, LAZY, SamplingParams(max_new_tokens=18), _resumed),
+        ("resumed-static-seeded", 200, LAZY.model_copy(update={"mode": "static"}), SamplingParams(max_new_tokens=10, temperature=1.0, seed=9), _resumed),
+    ]
+    sequences, readers = [], []
+    for seed, (name, n, config, params, make) in enumerate(cases):
+        sequences.append(make(model, name, _ids(model, n, seed), config, params))
+        readers.append(Reader(sequences[-1]))
+    for sequence in sequences:
+        scheduler.submit(sequence)
+    for seed, ((name, n, config, params, _), sequence, reader) in enumerate(zip(cases, sequences, readers)):
+        tokens, end = reader.wait()
+        alone = generate(model, _ids(model, n, seed), config, params)
+        # A resumed sequence's first token went out with the transfer's reply, not through here.
+        assert tokens == (alone.tokens if name.startswith("local") else alone.tokens[1:]), name
+        assert end == (DONE, alone.finish_reason)
+        assert sequence.generation.stats.revived_token_layers == alone.stats.revived_token_layers
+    total = sum(params.max_new_tokens for _, _, _, params, _ in cases)
+    assert scheduler.steps < total - len(cases)  # steps were shared, not one per token
+    assert scheduler.num_active == 0 and scheduler.bytes_held() == 0
+
+
+def test_a_stream_keeps_receiving_tokens_while_a_long_local_prefill_runs(tiny_llama, scheduler):
+    model = tiny_llama.engine
+    stream = _local(model, "stream", _ids(model, 16, 1), OFF, SamplingParams(max_new_tokens=400))
+    stream_reader = Reader(stream)
+    scheduler.submit(stream)
+    while not stream_reader.items:
+        time.sleep(0.001)  # the stream is decoding
+    submitted = time.monotonic()
+    long = _local(model, "long-prompt", _ids(model, 1800, 2), OFF, SamplingParams(max_new_tokens=2))
+    long_reader = Reader(long)
+    scheduler.submit(long)
+    long_tokens, _ = long_reader.wait()
+    first_token_at = next(at for at, kind, _ in long_reader.items if kind == TOKEN)
+    during = [at for at, kind, _ in stream_reader.items if kind == TOKEN and submitted < at < first_token_at]
+    # One layer (1800 rows, over the 64-row budget) per round, a decode step between layers.
+    assert len(during) >= model.spec.num_layers - 1
+    assert long_tokens == generate(model, _ids(model, 1800, 2), OFF, SamplingParams(max_new_tokens=2)).tokens
+    stream.cancelled.set()
+    assert stream_reader.wait()[1] == (DONE, "cancelled")
+
+
+def test_a_reader_that_falls_behind_pauses_only_its_own_sequence(tiny_llama, scheduler):
+    model = tiny_llama.engine
+    endless = _local(model, "slow-reader", _ids(model, 12, 3), OFF, SamplingParams(max_new_tokens=1000))
+    scheduler.submit(endless)
+    deadline = time.monotonic() + 10
+    while endless.outbox.qsize() < 8 and time.monotonic() < deadline:
         time.sleep(0.01)
-    return False
+    quick = _local(model, "quick", _ids(model, 12, 4), OFF, SamplingParams(max_new_tokens=20))
+    reader = Reader(quick)
+    scheduler.submit(quick)
+    tokens, end = reader.wait()
+    assert len(tokens) == 20 and end == (DONE, "length")
+    assert endless.outbox.qsize() == 8  # bounded: not one token more than the cap
+    for _ in range(5):
+        endless.outbox.get_nowait()  # the reader catches up a little: its sequence moves again
+    deadline = time.monotonic() + 10
+    while endless.outbox.qsize() < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert endless.outbox.qsize() == 8
+    endless.cancelled.set()
+    deadline = time.monotonic() + 10
+    while scheduler.num_active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.num_active == 0 and scheduler.bytes_held() == 0
+
+
+def test_a_failed_prefill_stays_with_its_sequence(tiny_llama, scheduler):
+    model = tiny_llama.engine
+    good = _local(model, "good", _ids(model, 30, 5), OFF, SamplingParams(max_new_tokens=6))
+    # A token id past the vocabulary: the embedding lookup fails inside the engine thread.
+    bad = _local(model, "bad", torch.tensor([5, model.spec.vocab_size + 10]), OFF, SamplingParams(max_new_tokens=6))
+    readers = [Reader(good), Reader(bad)]
+    scheduler.submit(good)
+    scheduler.submit(bad)
+    good_tokens, good_end = readers[0].wait()
+    _, bad_end = readers[1].wait()
+    assert bad_end[0] == FAILED and "IndexError" in bad_end[1]
+    assert good_end == (DONE, "length") and len(good_tokens) == 6
+    follow = _local(model, "after", _ids(model, 30, 6), OFF, SamplingParams(max_new_tokens=3))
+    reader = Reader(follow)
+    scheduler.submit(follow)  # the engine thread lives on
+    assert reader.wait()[1] == (DONE, "length")
+
+
+def test_the_batch_size_caps_a_step_and_everyone_gets_turns(tiny_llama):
+    model = tiny_llama.engine
+    scheduler = Scheduler(model, max_sequences=6, max_batch_size=2, max_batch_tokens=64)
+    try:
+        sequences = [_local(model, f"s{i}", _ids(model, 10 + i, i), OFF, SamplingParams(max_new_tokens=8)) for i in range(5)]
+        readers = [Reader(s) for s in sequences]
+        for sequence in sequences:
+            scheduler.submit(sequence)
+        for i, reader in enumerate(readers):
+            tokens, end = reader.wait()
+            assert tokens == generate(model, _ids(model, 10 + i, i), OFF, SamplingParams(max_new_tokens=8)).tokens
+        # 5 sequences x 7 decode steps each, 2 per step: at least 18 steps.
+        assert scheduler.steps >= 18
+    finally:
+        scheduler.close()
