@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--service", default="", help="a service name; default: the whole server")
     probe.add_argument("--timeout", type=float, default=2.0)
 
-    bench = sub.add_parser("bench", add_help=False, help="benchmarks: ttft, disagg, serve (lazyserve bench NAME --help for flags)")
-    bench.add_argument("name", choices=["ttft", "disagg", "serve"])
+    bench = sub.add_parser("bench", add_help=False, help="benchmarks: ttft, decode, disagg, serve (lazyserve bench NAME --help for flags)")
+    bench.add_argument("name", choices=["ttft", "decode", "disagg", "serve"])
 
     sub.add_parser("eval", add_help=False, help="the long-context accuracy suite under many pruning schedules (--help for flags)")
     return parser

@@ -1,0 +1,186 @@
+"""`lazyserve bench decode`: aggregate decode throughput, batched steps against interleaved ones.
+
+Every run goes through the decode worker's own Scheduler on the same prefilled caches (long
+prompts of real text, one per sequence, prefilled once per configuration and copied for each
+run): `batched` steps every sequence in one `decode_batch`, `interleaved` has a batch size of one,
+so sequences take turns exactly as the decode worker did before batching. Both modes run side by
+side in each round after a warm-up; the table gives medians and the batched/interleaved ratio.
+
+Also times the one attention choice batching had to make (shared/engine/decode.py): one SDPA call
+per sequence over its own keys, against one call over keys padded to the longest sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import markdown_table, reference_text, write_json
+
+
+def _prompts(tokenizer, count: int, length: int) -> list[torch.Tensor]:
+    """`count` different prompts of `length` tokens: consecutive windows of the reference text."""
+    ids = tokenizer(reference_text()).input_ids
+    step = max(1, (len(ids) - length) // max(count, 1))
+    assert len(ids) >= length, f"reference text has only {len(ids)} tokens"
+    return [torch.tensor(ids[i * step : i * step + length]) for i in range(count)]
+
+
+def _prefilled(model, prompts, config, tokens):
+    from shared.engine import SamplingParams, prefill
+
+    params = SamplingParams(max_new_tokens=tokens + 1)
+    out = []
+    for ids in prompts:
+        cache, logits = prefill(model, ids, config, reserve=params.max_new_tokens)
+        out.append((cache, int(logits.argmax()), params))
+    return out
+
+
+def _run(model, prefilled, config, batch_size: int) -> tuple[float, int]:
+    """Decode every sequence to the end through a Scheduler; aggregate tokens/s and revived token-layers."""
+    from services.decode.scheduler import TOKEN, Scheduler, Sequence
+    from shared.engine import Decoding, Generation
+
+    scheduler = Scheduler(model, max_sequences=len(prefilled), max_batch_size=batch_size, max_unsent=1 << 20)
+    try:
+        sequences = []
+        for cache, first, params in prefilled:
+            decoding = Decoding(copy.deepcopy(cache), config, params, Generation())
+            sequences.append(Sequence.resumed("bench", decoding, first))
+        start = time.perf_counter()
+        for sequence in sequences:
+            scheduler.submit(sequence)
+        tokens = 0
+        for sequence in sequences:
+            while (item := sequence.outbox.get(timeout=600))[0] == TOKEN:
+                tokens += 1
+            assert item[1] == "length", item
+        elapsed = time.perf_counter() - start
+    finally:
+        scheduler.close()
+    return tokens / elapsed, sum(s.generation.stats.revived_token_layers for s in sequences)
+
+
+def bench_throughput(model, prompts, configs: dict, concurrency: list[int], tokens: int, repeats: int):
+    rows = []
+    for name, config in configs.items():
+        prefilled = _prefilled(model, prompts[: max(concurrency)], config, tokens)
+        for count in concurrency:
+            subset = prefilled[:count]
+            modes = {"batched": count, "interleaved": 1}
+            rates = {mode: [] for mode in modes}
+            revived = {}
+            for mode, batch_size in modes.items():  # warm-up
+                _run(model, subset[:1], config, batch_size)
+            for _ in range(repeats):
+                for mode, batch_size in modes.items():
+                    rate, revived[mode] = _run(model, subset, config, batch_size)
+                    rates[mode].append(rate)
+            medians = {mode: statistics.median(r) for mode, r in rates.items()}
+            rows.append({
+                "pruning": name,
+                "sequences": count,
+                "tokens_per_sequence": tokens,
+                "tokens_per_s": medians,
+                "samples_tokens_per_s": rates,
+                "batched_over_interleaved": medians["batched"] / medians["interleaved"],
+                "revived_token_layers": revived,
+            })
+            print(f"{name} x{count}: batched {medians['batched']:.1f} tok/s, interleaved {medians['interleaved']:.1f}", flush=True)
+    return rows
+
+
+def bench_attention(model, lengths: list[int], batch_sizes: list[int], repeats: int) -> list[dict]:
+    """One decode query per sequence over ragged key lengths: per-sequence SDPA vs one padded call."""
+    from shared.engine.layer import attend
+
+    spec = model.spec
+    groups = spec.num_heads // spec.num_kv_heads
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for count in batch_sizes:
+        sizes = [lengths[i % len(lengths)] for i in range(count)]
+        keys = [torch.randn(1, spec.num_kv_heads, n, spec.head_dim, generator=gen) for n in sizes]
+        values = [torch.randn_like(k) for k in keys]
+        queries = [torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=gen) for _ in sizes]
+
+        def per_sequence():
+            return [attend(model, q, k, v) for q, k, v in zip(queries, keys, values)]
+
+        def padded():
+            longest = max(sizes)
+            k = torch.zeros(count, spec.num_kv_heads, longest, spec.head_dim)
+            v = torch.zeros_like(k)
+            mask = torch.zeros(count, 1, 1, longest, dtype=torch.bool)
+            for i, n in enumerate(sizes):  # the gather a batched cache layout would need each layer
+                k[i, :, :n], v[i, :, :n], mask[i, ..., :n] = keys[i][0], values[i][0], True
+            q = torch.cat(queries)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=model.scaling, enable_gqa=groups > 1
+            )
+
+        times = {"per_sequence": [], "padded": []}
+        with torch.inference_mode():
+            for fn in (per_sequence, padded):
+                fn()
+            for _ in range(repeats):
+                for name, fn in (("per_sequence", per_sequence), ("padded", padded)):
+                    start = time.perf_counter()
+                    for _ in range(spec.num_layers):
+                        fn()
+                    times[name].append((time.perf_counter() - start) / spec.num_layers)
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        out.append({"sequences": count, "key_lengths": sizes, "median_s_per_layer": medians,
+                    "padded_over_per_sequence": medians["padded"] / medians["per_sequence"]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lazyserve bench decode", description=__doc__)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--tokens", type=int, default=16, help="decode tokens per sequence and run")
+    parser.add_argument("--presets", nargs="+", default=["off", "default"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="out/bench_decode.json")
+    args = parser.parse_args(argv)
+
+    from shared.engine.pruning import preset
+    from shared.models import load_model
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    model = loaded.engine
+    configs = {name: preset(name, model.spec.num_layers) for name in args.presets}
+    prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
+    throughput = bench_throughput(model, prompts, configs, args.concurrency, args.tokens, args.repeats)
+    attention = bench_attention(model, [args.prompt // 2, args.prompt, args.prompt * 3 // 2], args.concurrency, args.repeats * 5)
+    report = {"model": loaded.name, "threads": args.threads, "prompt_tokens": args.prompt,
+              "pruning": {name: config.model_dump() for name, config in configs.items()},
+              "throughput": throughput, "attention": attention}
+    print(markdown_table(
+        ["pruning", "sequences", "batched tok/s", "interleaved tok/s", "batched / interleaved", "revived (batched)"],
+        [[r["pruning"], r["sequences"], f"{r['tokens_per_s']['batched']:.1f}", f"{r['tokens_per_s']['interleaved']:.1f}",
+          f"{r['batched_over_interleaved']:.2f}x", r["revived_token_layers"]["batched"]] for r in throughput],
+    ))
+    print()
+    print(markdown_table(
+        ["sequences", "per-sequence SDPA ms/layer", "padded SDPA ms/layer", "padded / per-sequence"],
+        [[a["sequences"], f"{a['median_s_per_layer']['per_sequence'] * 1e3:.2f}",
+          f"{a['median_s_per_layer']['padded'] * 1e3:.2f}", f"{a['padded_over_per_sequence']:.2f}"] for a in attention],
+    ))
+    write_json(Path(args.out), report)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
