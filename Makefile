@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run example test test-slow bench clean
+.PHONY: setup run example lint fmt test test-slow bench clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,16 @@ run: $(STAMP)
 example: $(STAMP)
 	$(BIN)/lazyserve run-batch -i examples/long_context.jsonl -o out/long_context.out.jsonl --compare
 
-test: $(STAMP)
+# ruff: lint, import order, bandit's security rules and the format, on the whole tree.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -76,32 +77,55 @@ def bench_throughput(model, prompts, configs: dict, concurrency: list[int], toke
             modes = {"batched": count, "interleaved": 1}
             rates = {mode: [] for mode in modes}
             revived = {}
-            for mode, batch_size in modes.items():  # warm-up
+            for batch_size in modes.values():  # warm-up
                 _run(model, subset[:1], config, batch_size)
             for _ in range(repeats):
                 for mode, batch_size in modes.items():
                     rate, revived[mode] = _run(model, subset, config, batch_size)
                     rates[mode].append(rate)
             medians = {mode: statistics.median(r) for mode, r in rates.items()}
-            rows.append({
-                "pruning": name,
-                "sequences": count,
-                "tokens_per_sequence": tokens,
-                "tokens_per_s": medians,
-                "samples_tokens_per_s": rates,
-                "batched_over_interleaved": medians["batched"] / medians["interleaved"],
-                "revived_token_layers": revived,
-            })
-            print(f"{name} x{count}: batched {medians['batched']:.1f} tok/s, interleaved {medians['interleaved']:.1f}", flush=True)
+            rows.append(
+                {
+                    "pruning": name,
+                    "sequences": count,
+                    "tokens_per_sequence": tokens,
+                    "tokens_per_s": medians,
+                    "samples_tokens_per_s": rates,
+                    "batched_over_interleaved": medians["batched"] / medians["interleaved"],
+                    "revived_token_layers": revived,
+                }
+            )
+            print(
+                f"{name} x{count}: batched {medians['batched']:.1f} tok/s, interleaved {medians['interleaved']:.1f}",
+                flush=True,
+            )
     return rows
+
+
+def _per_sequence(model, queries, keys, values):
+    from shared.engine.layer import attend
+
+    return [attend(model, q, k, v) for q, k, v in zip(queries, keys, values)]
+
+
+def _padded(model, queries, keys, values):
+    """The gather a padded batch layout needs at each layer, then one SDPA call with a key mask."""
+    spec = model.spec
+    sizes = [k.shape[2] for k in keys]
+    longest = max(sizes)
+    k = torch.zeros(len(keys), spec.num_kv_heads, longest, spec.head_dim)
+    v = torch.zeros_like(k)
+    mask = torch.zeros(len(keys), 1, 1, longest, dtype=torch.bool)
+    for i, n in enumerate(sizes):
+        k[i, :, :n], v[i, :, :n], mask[i, ..., :n] = keys[i][0], values[i][0], True
+    return torch.nn.functional.scaled_dot_product_attention(
+        torch.cat(queries), k, v, attn_mask=mask, scale=model.scaling, enable_gqa=spec.num_heads > spec.num_kv_heads
+    )
 
 
 def bench_attention(model, lengths: list[int], batch_sizes: list[int], repeats: int) -> list[dict]:
     """One decode query per sequence over ragged key lengths: per-sequence SDPA vs one padded call."""
-    from shared.engine.layer import attend
-
     spec = model.spec
-    groups = spec.num_heads // spec.num_kv_heads
     out = []
     gen = torch.Generator().manual_seed(0)
     for count in batch_sizes:
@@ -110,21 +134,8 @@ def bench_attention(model, lengths: list[int], batch_sizes: list[int], repeats: 
         values = [torch.randn_like(k) for k in keys]
         queries = [torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=gen) for _ in sizes]
 
-        def per_sequence():
-            return [attend(model, q, k, v) for q, k, v in zip(queries, keys, values)]
-
-        def padded():
-            longest = max(sizes)
-            k = torch.zeros(count, spec.num_kv_heads, longest, spec.head_dim)
-            v = torch.zeros_like(k)
-            mask = torch.zeros(count, 1, 1, longest, dtype=torch.bool)
-            for i, n in enumerate(sizes):  # the gather a batched cache layout would need each layer
-                k[i, :, :n], v[i, :, :n], mask[i, ..., :n] = keys[i][0], values[i][0], True
-            q = torch.cat(queries)
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=model.scaling, enable_gqa=groups > 1
-            )
-
+        per_sequence = functools.partial(_per_sequence, model, queries, keys, values)
+        padded = functools.partial(_padded, model, queries, keys, values)
         times = {"per_sequence": [], "padded": []}
         with torch.inference_mode():
             for fn in (per_sequence, padded):
@@ -136,8 +147,14 @@ def bench_attention(model, lengths: list[int], batch_sizes: list[int], repeats: 
                         fn()
                     times[name].append((time.perf_counter() - start) / spec.num_layers)
         medians = {name: statistics.median(t) for name, t in times.items()}
-        out.append({"sequences": count, "key_lengths": sizes, "median_s_per_layer": medians,
-                    "padded_over_per_sequence": medians["padded"] / medians["per_sequence"]})
+        out.append(
+            {
+                "sequences": count,
+                "key_lengths": sizes,
+                "median_s_per_layer": medians,
+                "padded_over_per_sequence": medians["padded"] / medians["per_sequence"],
+            }
+        )
     return out
 
 
@@ -162,21 +179,55 @@ def main(argv: list[str] | None = None) -> int:
     configs = {name: preset(name, model.spec.num_layers) for name in args.presets}
     prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
     throughput = bench_throughput(model, prompts, configs, args.concurrency, args.tokens, args.repeats)
-    attention = bench_attention(model, [args.prompt // 2, args.prompt, args.prompt * 3 // 2], args.concurrency, args.repeats * 5)
-    report = {"model": loaded.name, "threads": args.threads, "prompt_tokens": args.prompt,
-              "pruning": {name: config.model_dump() for name, config in configs.items()},
-              "throughput": throughput, "attention": attention}
-    print(markdown_table(
-        ["pruning", "sequences", "batched tok/s", "interleaved tok/s", "batched / interleaved", "revived (batched)"],
-        [[r["pruning"], r["sequences"], f"{r['tokens_per_s']['batched']:.1f}", f"{r['tokens_per_s']['interleaved']:.1f}",
-          f"{r['batched_over_interleaved']:.2f}x", r["revived_token_layers"]["batched"]] for r in throughput],
-    ))
+    attention = bench_attention(
+        model, [args.prompt // 2, args.prompt, args.prompt * 3 // 2], args.concurrency, args.repeats * 5
+    )
+    report = {
+        "model": loaded.name,
+        "threads": args.threads,
+        "prompt_tokens": args.prompt,
+        "pruning": {name: config.model_dump() for name, config in configs.items()},
+        "throughput": throughput,
+        "attention": attention,
+    }
+    print(
+        markdown_table(
+            [
+                "pruning",
+                "sequences",
+                "batched tok/s",
+                "interleaved tok/s",
+                "batched / interleaved",
+                "revived (batched)",
+            ],
+            [
+                [
+                    r["pruning"],
+                    r["sequences"],
+                    f"{r['tokens_per_s']['batched']:.1f}",
+                    f"{r['tokens_per_s']['interleaved']:.1f}",
+                    f"{r['batched_over_interleaved']:.2f}x",
+                    r["revived_token_layers"]["batched"],
+                ]
+                for r in throughput
+            ],
+        )
+    )
     print()
-    print(markdown_table(
-        ["sequences", "per-sequence SDPA ms/layer", "padded SDPA ms/layer", "padded / per-sequence"],
-        [[a["sequences"], f"{a['median_s_per_layer']['per_sequence'] * 1e3:.2f}",
-          f"{a['median_s_per_layer']['padded'] * 1e3:.2f}", f"{a['padded_over_per_sequence']:.2f}"] for a in attention],
-    ))
+    print(
+        markdown_table(
+            ["sequences", "per-sequence SDPA ms/layer", "padded SDPA ms/layer", "padded / per-sequence"],
+            [
+                [
+                    a["sequences"],
+                    f"{a['median_s_per_layer']['per_sequence'] * 1e3:.2f}",
+                    f"{a['median_s_per_layer']['padded'] * 1e3:.2f}",
+                    f"{a['padded_over_per_sequence']:.2f}",
+                ]
+                for a in attention
+            ],
+        )
+    )
     write_json(Path(args.out), report)
     print(f"\nwrote {args.out}")
     return 0

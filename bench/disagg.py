@@ -25,7 +25,18 @@ from bench.common import long_text_ids, markdown_table, write_json
 
 def _start_decode_worker(model: str, threads: int):
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "decode-worker", "--model", model, "--port", "0", "--threads", str(threads)],
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "decode-worker",
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--threads",
+            str(threads),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -86,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         for length in args.lengths:
             ids = long_text_ids(loaded.tokenizer, length)
             for mode, config in configs.items():
-                samples = {"local_ttft": [], "local_total": [], "disagg_ttft": [], "disagg_total": [], "prefill_compute": []}
+                samples = {
+                    "local_ttft": [],
+                    "local_total": [],
+                    "disagg_ttft": [],
+                    "disagg_total": [],
+                    "prefill_compute": [],
+                }
                 for _ in range(args.repeats):
                     ttft, total, generation = _in_process(model, ids, config, params)
                     samples["local_ttft"].append(ttft)
@@ -151,7 +168,16 @@ def _print_tables(results: list[dict]) -> None:
         )
     print(
         markdown_table(
-            ["tokens", "mode", "TTFT in-process s", "TTFT disagg s", "disagg / in-process", "e2e in-process s", "e2e disagg s", "e2e ratio"],
+            [
+                "tokens",
+                "mode",
+                "TTFT in-process s",
+                "TTFT disagg s",
+                "disagg / in-process",
+                "e2e in-process s",
+                "e2e disagg s",
+                "e2e ratio",
+            ],
             rows,
         )
     )
@@ -177,8 +203,18 @@ def _print_tables(results: list[dict]) -> None:
         )
     print(
         markdown_table(
-            ["tokens", "mode", "computed fraction", "full KV MiB", "KV sent MiB", "Aux sent MiB", "wire MiB",
-             "wire / (fraction x full KV + Aux)", "wire / full's wire", "frames"],
+            [
+                "tokens",
+                "mode",
+                "computed fraction",
+                "full KV MiB",
+                "KV sent MiB",
+                "Aux sent MiB",
+                "wire MiB",
+                "wire / (fraction x full KV + Aux)",
+                "wire / full's wire",
+                "frames",
+            ],
             rows,
         )
     )

@@ -72,7 +72,7 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int, time
                     stamps.append(time.monotonic())
                 if data.get("usage") or (data["choices"] and data["choices"][0].get("finish_reason")):
                     outcome.tokens = max(outcome.tokens, len(stamps))
-    except (httpx.HTTPError, asyncio.TimeoutError) as error:
+    except (TimeoutError, httpx.HTTPError) as error:
         outcome.error = type(error).__name__
         return outcome
     end = time.monotonic()
@@ -113,17 +113,27 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo_ttft: float, slo_tpot:
     summary = {"requests": len(outcomes), "ok": len(ok), "errors": len(outcomes) - len(ok), "wall_s": wall_s}
     for name in ("ttft_s", "tpot_s", "e2e_s"):
         values = [getattr(o, name) for o in ok]
-        summary[name] = {"p50": percentile(values, 50), "p99": percentile(values, 99), "mean": statistics.fmean(values) if values else math.nan}
+        summary[name] = {
+            "p50": percentile(values, 50),
+            "p99": percentile(values, 99),
+            "mean": statistics.fmean(values) if values else math.nan,
+        }
     summary["throughput_rps"] = len(ok) / wall_s
     summary["output_tokens_per_s"] = sum(o.tokens for o in ok) / wall_s
     summary["goodput_rps"] = len(good) / wall_s
-    summary["routes"] = {route: sum(o.route == route for o in outcomes) for route in sorted({o.route for o in outcomes})}
+    summary["routes"] = {
+        route: sum(o.route == route for o in outcomes) for route in sorted({o.route for o in outcomes})
+    }
     return summary
 
 
 def _start(args: list[str], ready: str, env=None):
-    process = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, **(env or {})})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     if ready:
         for line in process.stdout:
             if line.startswith(f"READY {ready} "):
@@ -187,10 +197,23 @@ def main(argv: list[str] | None = None) -> int:
         for policy in args.policies:
             port = 8100 + len(report["policies"])
             gateway, _ = _start(
-                ["gateway", "--model", args.model, "--port", str(port), "--routing", policy,
-                 "--local-threshold", str(args.local_threshold),
-                 "--prefill-workers", ",".join(prefill_addresses), "--decode-workers", ",".join(decode_addresses)],
-                "", env={"LAZYSERVE_GATEWAY_REQUEST_TIMEOUT_S": str(args.max_seconds)},
+                [
+                    "gateway",
+                    "--model",
+                    args.model,
+                    "--port",
+                    str(port),
+                    "--routing",
+                    policy,
+                    "--local-threshold",
+                    str(args.local_threshold),
+                    "--prefill-workers",
+                    ",".join(prefill_addresses),
+                    "--decode-workers",
+                    ",".join(decode_addresses),
+                ],
+                "",
+                env={"LAZYSERVE_GATEWAY_REQUEST_TIMEOUT_S": str(args.max_seconds)},
             )
             url = f"http://127.0.0.1:{port}"
             try:
@@ -222,16 +245,39 @@ def _print(report: dict) -> None:
     rows = []
     for policy, entry in report["policies"].items():
         s = entry["summary"]
-        rows.append([
-            policy, f"{s['ok']}/{s['requests']}",
-            f"{s['ttft_s']['p50']:.2f}", f"{s['ttft_s']['p99']:.2f}",
-            f"{s['tpot_s']['p50'] * 1000:.0f}", f"{s['tpot_s']['p99'] * 1000:.0f}",
-            f"{s['e2e_s']['p50']:.2f}", f"{s['e2e_s']['p99']:.2f}",
-            f"{s['throughput_rps']:.3f}", f"{s['goodput_rps']:.3f}", json.dumps(s["routes"]),
-        ])
-    print(markdown_table(
-        ["policy", "ok", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms", "e2e p50 s", "e2e p99 s",
-         "req/s", "goodput req/s", "routes"], rows))
+        rows.append(
+            [
+                policy,
+                f"{s['ok']}/{s['requests']}",
+                f"{s['ttft_s']['p50']:.2f}",
+                f"{s['ttft_s']['p99']:.2f}",
+                f"{s['tpot_s']['p50'] * 1000:.0f}",
+                f"{s['tpot_s']['p99'] * 1000:.0f}",
+                f"{s['e2e_s']['p50']:.2f}",
+                f"{s['e2e_s']['p99']:.2f}",
+                f"{s['throughput_rps']:.3f}",
+                f"{s['goodput_rps']:.3f}",
+                json.dumps(s["routes"]),
+            ]
+        )
+    print(
+        markdown_table(
+            [
+                "policy",
+                "ok",
+                "TTFT p50 s",
+                "TTFT p99 s",
+                "TPOT p50 ms",
+                "TPOT p99 ms",
+                "e2e p50 s",
+                "e2e p99 s",
+                "req/s",
+                "goodput req/s",
+                "routes",
+            ],
+            rows,
+        )
+    )
     policies = report["policies"]
     if "length" in policies and "round_robin" in policies:
         ratio = policies["length"]["summary"]["ttft_s"]["p99"] / policies["round_robin"]["summary"]["ttft_s"]["p99"]

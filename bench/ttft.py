@@ -65,7 +65,7 @@ def bench_prefill(model, ids, configs: dict, repeats):
     times = {name: [] for name in paths}
     peaks = {name: 0.0 for name in paths}
     with torch.inference_mode():
-        for name, fn in paths.items():  # warm-up
+        for fn in paths.values():  # warm-up
             fn()
         for _ in range(repeats):
             for name, fn in paths.items():
@@ -136,29 +136,46 @@ def main(argv: list[str] | None = None) -> int:
     configs = {name: preset(name, model.spec.num_layers) for name in args.presets}
     if args.pruning:
         configs["custom"] = PruneConfig.model_validate_json(args.pruning)
-    report = {"model": loaded.name, "threads": args.threads,
-              "pruning": {name: config.model_dump() for name, config in configs.items()}, "prefill": []}
+    report = {
+        "model": loaded.name,
+        "threads": args.threads,
+        "pruning": {name: config.model_dump() for name, config in configs.items()},
+        "prefill": [],
+    }
     rows = []
     for length in args.lengths:
         ids = long_text_ids(loaded.tokenizer, length)
         medians, peaks, samples = bench_prefill(model, ids, configs, args.repeats)
         speedups = {name: medians["full"] / medians[name] for name in configs}
-        report["prefill"].append({
-            "tokens": length,
-            "median_s": medians,
-            "samples_s": samples,
-            "peak_rss_rise_mib": peaks,
-            "full_over_transformers": medians["full"] / medians["transformers"],
-            "speedup_over_full": speedups,
-        })
-        rows.append([length, f"{medians['transformers']:.2f}", f"{medians['full']:.2f}",
-                     f"{medians['full'] / medians['transformers']:.3f}"]
-                    + [f"{medians[name]:.2f} ({speedups[name]:.2f}x)" for name in configs]
-                    + [" / ".join(f"{peaks[name]:.0f}" for name in peaks)])
+        report["prefill"].append(
+            {
+                "tokens": length,
+                "median_s": medians,
+                "samples_s": samples,
+                "peak_rss_rise_mib": peaks,
+                "full_over_transformers": medians["full"] / medians["transformers"],
+                "speedup_over_full": speedups,
+            }
+        )
+        rows.append(
+            [
+                length,
+                f"{medians['transformers']:.2f}",
+                f"{medians['full']:.2f}",
+                f"{medians['full'] / medians['transformers']:.3f}",
+            ]
+            + [f"{medians[name]:.2f} ({speedups[name]:.2f}x)" for name in configs]
+            + [" / ".join(f"{peaks[name]:.0f}" for name in peaks)]
+        )
         print(f"{length} tokens done", flush=True)
-    print(markdown_table(["tokens", "transformers s", "full s", "full / transformers"]
-                         + [f"{name} s (speedup)" for name in configs]
-                         + [f"peak MiB ({' / '.join(['tf', 'full', *configs])})"], rows))
+    print(
+        markdown_table(
+            ["tokens", "transformers s", "full s", "full / transformers"]
+            + [f"{name} s (speedup)" for name in configs]
+            + [f"peak MiB ({' / '.join(['tf', 'full', *configs])})"],
+            rows,
+        )
+    )
     ids = long_text_ids(loaded.tokenizer, args.decode_prompt)
     rates, revived = bench_decode(model, ids, configs, args.decode_tokens, args.repeats)
     report["decode"] = {
@@ -170,11 +187,20 @@ def main(argv: list[str] | None = None) -> int:
         "revived_token_layers": revived,
     }
     print()
-    print(markdown_table(
-        ["decode after", "transformers tok/s", "full tok/s"] + [f"{name} tok/s (/ full, revived)" for name in configs],
-        [[f"{args.decode_prompt} tokens, {args.decode_tokens} steps", f"{rates['transformers']:.1f}", f"{rates['full']:.1f}"]
-         + [f"{rates[name]:.1f} ({rates[name] / rates['full']:.2f}x, {revived[name]})" for name in configs]],
-    ))
+    print(
+        markdown_table(
+            ["decode after", "transformers tok/s", "full tok/s"]
+            + [f"{name} tok/s (/ full, revived)" for name in configs],
+            [
+                [
+                    f"{args.decode_prompt} tokens, {args.decode_tokens} steps",
+                    f"{rates['transformers']:.1f}",
+                    f"{rates['full']:.1f}",
+                ]
+                + [f"{rates[name]:.1f} ({rates[name] / rates['full']:.2f}x, {revived[name]})" for name in configs]
+            ],
+        )
+    )
     write_json(Path(args.out), report)
     print(f"\nwrote {args.out}")
     return 0

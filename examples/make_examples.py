@@ -3,7 +3,6 @@ CPython ships (pydoc_data.topics). Run again to regenerate; the output is determ
 
 import json
 from pathlib import Path
-
 from pydoc_data.topics import topics
 
 
@@ -40,7 +39,11 @@ def main() -> None:
             "body": {
                 "messages": [
                     {"role": "system", "content": "Answer from the document in one sentence."},
-                    {"role": "user", "content": doc + "\n\nWhich statement is used to wrap a block with methods defined by a context manager?"},
+                    {
+                        "role": "user",
+                        "content": doc
+                        + "\n\nWhich statement is used to wrap a block with methods defined by a context manager?",
+                    },
                 ],
                 "max_tokens": 32,
                 "temperature": 0,

@@ -76,14 +76,21 @@ def cmd_gateway(args) -> int:
 def cmd_up(args) -> int:
     from services.up import up
 
-    return up(args.model, args.port, args.decode_workers, args.prefill_actors, args.threads, args.local_threshold,
-              pruning_preset=args.pruning)
+    return up(
+        args.model,
+        args.port,
+        args.decode_workers,
+        args.prefill_actors,
+        args.threads,
+        args.local_threshold,
+        pruning_preset=args.pruning,
+    )
 
 
 def cmd_certs(args) -> int:
-    from shared.certs import DEFAULT_HOSTS, make_dev_certs
-
     import shlex
+
+    from shared.certs import DEFAULT_HOSTS, make_dev_certs
 
     paths = make_dev_certs(Path(args.out), args.host or list(DEFAULT_HOSTS), args.days)
     names = {"ca": "LAZYSERVE_TLS_CA", "cert": "LAZYSERVE_TLS_CERT", "key": "LAZYSERVE_TLS_KEY"}
@@ -117,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("-i", "--input", required=True)
     batch.add_argument("-o", "--output", required=True)
     batch.add_argument(
-        "--pruning", default=None,
+        "--pruning",
+        default=None,
         help="a preset (off, default, fast, lazyllm) or FILE.json for every line; a body's own wins; "
         "without it, lines get the default preset (LAZYSERVE_PRUNING_PRESET, else 'default')",
     )
@@ -136,20 +144,30 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--num-actors", type=int, default=None)
     prefill.add_argument("--num-cpus", type=float, default=None, help="Ray CPUs per actor")
     prefill.add_argument("--num-gpus", type=float, default=None, help="Ray GPUs per actor")
-    prefill.add_argument("--prefill-resource", type=float, default=None, help="units of the custom `prefill` resource per actor")
+    prefill.add_argument(
+        "--prefill-resource", type=float, default=None, help="units of the custom `prefill` resource per actor"
+    )
     prefill.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
 
-    stack = sub.add_parser("up", help="the whole system on this host: decode workers, prefill actors on a local Ray, the gateway")
+    stack = sub.add_parser(
+        "up", help="the whole system on this host: decode workers, prefill actors on a local Ray, the gateway"
+    )
     stack.add_argument("--model", default=None)
     stack.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     stack.add_argument("--port", type=int, default=8000, help="the gateway's port")
     stack.add_argument("--decode-workers", type=int, default=1)
     stack.add_argument("--prefill-actors", type=int, default=1)
     stack.add_argument("--local-threshold", type=int, default=None)
-    stack.add_argument("--pruning", default=None, choices=["off", "default", "fast", "lazyllm"],
-                       help="the pruning preset of requests that name none (LAZYSERVE_PRUNING_PRESET; else 'default')")
+    stack.add_argument(
+        "--pruning",
+        default=None,
+        choices=["off", "default", "fast", "lazyllm"],
+        help="the pruning preset of requests that name none (LAZYSERVE_PRUNING_PRESET; else 'default')",
+    )
 
-    gateway = sub.add_parser("gateway", help="serve the OpenAI-compatible REST API (flags override LAZYSERVE_GATEWAY_*)")
+    gateway = sub.add_parser(
+        "gateway", help="serve the OpenAI-compatible REST API (flags override LAZYSERVE_GATEWAY_*)"
+    )
     gateway.add_argument("--model", default=None)
     gateway.add_argument("--threads", type=int, default=None)
     gateway.add_argument("--host", default=None)
@@ -157,26 +175,37 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--prefill-workers", default=None, help="static mode: comma-separated host:port list")
     gateway.add_argument("--decode-workers", default=None, help="static mode: comma-separated host:port list")
     gateway.add_argument("--routing", choices=["length", "round_robin"], default=None)
-    gateway.add_argument("--local-threshold", type=int, default=None, help="prompts shorter than this skip the transfer")
+    gateway.add_argument(
+        "--local-threshold", type=int, default=None, help="prompts shorter than this skip the transfer"
+    )
     gateway.add_argument("--redis-url", default=None, help="registered workers and shared load in Redis")
 
     certs = sub.add_parser("certs", help="write a development CA and certificate for mutual TLS between services")
     certs.add_argument("--out", default="certs", help="folder for ca.pem, cert.pem, key.pem")
     certs.add_argument(
-        "--host", action="append", default=None,
-        help="a DNS name or IP the certificate is valid for (repeatable; default: localhost, 127.0.0.1, lazyserve.internal)",
+        "--host",
+        action="append",
+        default=None,
+        help="a DNS name or IP the certificate is valid for "
+        "(repeatable; default: localhost, 127.0.0.1, lazyserve.internal)",
     )
     certs.add_argument("--days", type=int, default=365)
 
-    probe = sub.add_parser("health", help="grpc.health.v1 check of a worker (exit 0 when SERVING); uses LAZYSERVE_TLS_*")
+    probe = sub.add_parser(
+        "health", help="grpc.health.v1 check of a worker (exit 0 when SERVING); uses LAZYSERVE_TLS_*"
+    )
     probe.add_argument("address", help="host:port")
     probe.add_argument("--service", default="", help="a service name; default: the whole server")
     probe.add_argument("--timeout", type=float, default=2.0)
 
-    bench = sub.add_parser("bench", add_help=False, help="benchmarks: ttft, decode, disagg, serve (lazyserve bench NAME --help for flags)")
+    bench = sub.add_parser(
+        "bench", add_help=False, help="benchmarks: ttft, decode, disagg, serve (lazyserve bench NAME --help for flags)"
+    )
     bench.add_argument("name", choices=["ttft", "decode", "disagg", "serve"])
 
-    sub.add_parser("eval", add_help=False, help="the long-context accuracy suite under many pruning schedules (--help for flags)")
+    sub.add_parser(
+        "eval", add_help=False, help="the long-context accuracy suite under many pruning schedules (--help for flags)"
+    )
     return parser
 
 

@@ -35,7 +35,7 @@ class Stack:
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
         # Own session: Ctrl-C in the terminal reaches only `up`, which stops the children in order.
-        process = subprocess.Popen(
+        process = subprocess.Popen(  # noqa: S603 -- this interpreter running our own CLI, no shell
             [sys.executable, "-m", "services.cli", *args],
             stdout=subprocess.PIPE,
             text=True,
@@ -63,7 +63,7 @@ class Stack:
         return addresses
 
     def stop(self, timeout: float = 20.0) -> None:
-        for name, process in reversed(self.processes):  # gateway first, workers last
+        for _name, process in reversed(self.processes):  # gateway first, workers last
             _signal_group(process, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for name, process in reversed(self.processes):
@@ -83,8 +83,16 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def up(model: str | None, port: int, decode_workers: int, prefill_actors: int, threads: int | None,
-       local_threshold: int | None, timeout: float = 600.0, pruning_preset: str | None = None) -> int:
+def up(
+    model: str | None,
+    port: int,
+    decode_workers: int,
+    prefill_actors: int,
+    threads: int | None,
+    local_threshold: int | None,
+    timeout: float = 600.0,
+    pruning_preset: str | None = None,
+) -> int:
     stack = Stack(pruning_preset)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -96,13 +104,25 @@ def up(model: str | None, port: int, decode_workers: int, prefill_actors: int, t
                 stack.start(f"decode-{i}", ["decode-worker", "--port", str(50061 + i), *common])
                 for i in range(decode_workers)
             ]
-            prefill = stack.start("prefill", ["prefill-worker", "--port", "50071", "--num-actors", str(prefill_actors), *common])
-            decode_addresses = [stack.wait_ready(f"decode-{i}", p, "decode", 1, timeout)[0] for i, p in enumerate(decoders)]
+            prefill = stack.start(
+                "prefill", ["prefill-worker", "--port", "50071", "--num-actors", str(prefill_actors), *common]
+            )
+            decode_addresses = [
+                stack.wait_ready(f"decode-{i}", p, "decode", 1, timeout)[0] for i, p in enumerate(decoders)
+            ]
             console.print(f"decode workers ready: {', '.join(decode_addresses)}")
             prefill_addresses = stack.wait_ready("prefill", prefill, "prefill", prefill_actors, timeout)
             console.print(f"prefill actors ready: {', '.join(prefill_addresses)}")
-        gateway_args = ["gateway", "--port", str(port), "--decode-workers", ",".join(decode_addresses),
-                        "--prefill-workers", ",".join(prefill_addresses), *common]
+        gateway_args = [
+            "gateway",
+            "--port",
+            str(port),
+            "--decode-workers",
+            ",".join(decode_addresses),
+            "--prefill-workers",
+            ",".join(prefill_addresses),
+            *common,
+        ]
         if local_threshold is not None:
             gateway_args += ["--local-threshold", str(local_threshold)]
         with console.status("starting the gateway"):
@@ -113,7 +133,7 @@ def up(model: str | None, port: int, decode_workers: int, prefill_actors: int, t
         console.print(
             f"\n[bold]lazyserve is up[/bold] at {url}/v1 (Ctrl-C stops everything)\n\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Say hello\"}}], \"max_tokens\": 32}}'\n\n"
+            f'    -d \'{{"messages": [{{"role": "user", "content": "Say hello"}}], "max_tokens": 32}}\'\n\n'
             f"  metrics: {url}/metrics   health: {url}/health\n",
             highlight=False,
         )

@@ -41,8 +41,15 @@ def _san(host: str) -> x509.GeneralName:
 
 def _key_usage(*, signing_certs: bool) -> x509.KeyUsage:
     return x509.KeyUsage(
-        digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
-        key_agreement=False, key_cert_sign=signing_certs, crl_sign=signing_certs, encipher_only=False, decipher_only=False,
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=signing_certs,
+        crl_sign=signing_certs,
+        encipher_only=False,
+        decipher_only=False,
     )
 
 
@@ -57,7 +64,7 @@ def make_dev_certs(out: Path, hosts: list[str] | tuple[str, ...] = DEFAULT_HOSTS
     if not hosts:
         raise ValueError("at least one host name or IP address is needed")
     out.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -85,7 +92,9 @@ def make_dev_certs(out: Path, hosts: list[str] | tuple[str, ...] = DEFAULT_HOSTS
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_key_usage(signing_certs=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
         .add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())

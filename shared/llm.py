@@ -5,8 +5,8 @@ The engine sees token ids only; the text side (tokenizer, template, stop strings
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from shared.engine import Generation, PruneConfig, SamplingParams, stream
 from shared.models import LoadedModel

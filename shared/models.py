@@ -169,6 +169,10 @@ def load_model(
                 f"{', '.join(TINY_MODELS)}, or a local Hugging Face checkpoint folder "
                 f"({', '.join(SUPPORTED_MODEL_TYPES)} architectures)"
             )
-    ModelSpec.from_config(AutoConfig.from_pretrained(folder))  # refuse an unsupported architecture before loading weights
+    ModelSpec.from_config(
+        AutoConfig.from_pretrained(folder)
+    )  # refuse an unsupported architecture before loading weights
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa").to(device)
-    return LoadedModel(folder.name if name != DEFAULT_MODEL else DEFAULT_MODEL, EngineModel(hf), _load_tokenizer(folder))
+    return LoadedModel(
+        folder.name if name != DEFAULT_MODEL else DEFAULT_MODEL, EngineModel(hf), _load_tokenizer(folder)
+    )

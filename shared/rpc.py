@@ -19,6 +19,7 @@ from shared.transport import CHANNEL_OPTIONS, NO_AUTH, InternalAuth
 
 log = logging.getLogger(__name__)
 
+
 class ServiceError(Exception):
     code = grpc.StatusCode.INTERNAL
 
@@ -167,8 +168,15 @@ def make_server(
     return server, health_servicer
 
 
-def start_serving(server: grpc.Server, health_servicer, host: str, port: int, advertise_host: str | None,
-                  services: list[str], auth: InternalAuth = NO_AUTH) -> str:
+def start_serving(
+    server: grpc.Server,
+    health_servicer,
+    host: str,
+    port: int,
+    advertise_host: str | None,
+    services: list[str],
+    auth: InternalAuth = NO_AUTH,
+) -> str:
     """Bind (with mutual TLS when `auth` has it), start, mark SERVING; returns the address others
     dial (the OS picks the port for 0)."""
     bound = auth.add_port(server, f"{host}:{port}")
@@ -188,7 +196,9 @@ def check_health(address: str, timeout: float = 2.0, service: str = "", auth: In
     """True when the server at `address` answers SERVING."""
     with auth.channel(address) as chan:
         try:
-            reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(chan).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -49,13 +49,19 @@ class InternalAuthSettings(BaseSettings):
         description="shared token every internal gRPC call must carry",
     )
     tls_ca: Path | None = Field(
-        None, validation_alias=AliasChoices("tls_ca", "LAZYSERVE_TLS_CA"), description="CA certificate (PEM) for mutual TLS"
+        None,
+        validation_alias=AliasChoices("tls_ca", "LAZYSERVE_TLS_CA"),
+        description="CA certificate (PEM) for mutual TLS",
     )
     tls_cert: Path | None = Field(
-        None, validation_alias=AliasChoices("tls_cert", "LAZYSERVE_TLS_CERT"), description="this service's certificate (PEM)"
+        None,
+        validation_alias=AliasChoices("tls_cert", "LAZYSERVE_TLS_CERT"),
+        description="this service's certificate (PEM)",
     )
     tls_key: Path | None = Field(
-        None, validation_alias=AliasChoices("tls_key", "LAZYSERVE_TLS_KEY"), description="this service's private key (PEM)"
+        None,
+        validation_alias=AliasChoices("tls_key", "LAZYSERVE_TLS_KEY"),
+        description="this service's private key (PEM)",
     )
     tls_server_name: str | None = Field(
         None,
@@ -91,6 +97,8 @@ class WorkerSettings(InternalAuthSettings):
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     advertise_host: str | None = Field(None, description="host others reach this worker at; default: host")
     redis_url: str | None = Field(
-        None, validation_alias=AliasChoices("redis_url", "LAZYSERVE_REDIS_URL"), description="register here (multi-host mode)"
+        None,
+        validation_alias=AliasChoices("redis_url", "LAZYSERVE_REDIS_URL"),
+        description="register here (multi-host mode)",
     )
     heartbeat_ttl_s: float = Field(3.0, gt=0, description="registration TTL; refreshed every third of it")

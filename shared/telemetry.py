@@ -29,7 +29,9 @@ _configured = False
 def setup_tracing(service_name: str) -> bool:
     """Install an SDK tracer provider if the environment asks for an exporter; True if it did."""
     global _configured
-    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "otlp" if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") else "none")
+    exporter_name = os.environ.get(
+        "OTEL_TRACES_EXPORTER", "otlp" if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") else "none"
+    )
     if _configured or exporter_name == "none":
         return False
     from opentelemetry.sdk.resources import Resource

@@ -72,7 +72,9 @@ def load_text_model(name: str, cache_dir: Path | None = None) -> TextModel:
     if name in TINY_MODELS:
         config = tiny_config(name)
         folder = default_model_folder(cache_dir)  # tiny models borrow SmolLM2's tokenizer
-        return TextModel(name, AutoTokenizer.from_pretrained(folder), ModelSpec.from_config(config), (config.eos_token_id,))
+        return TextModel(
+            name, AutoTokenizer.from_pretrained(folder), ModelSpec.from_config(config), (config.eos_token_id,)
+        )
     folder = default_model_folder(cache_dir) if name == DEFAULT_MODEL else Path(name)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     try:
@@ -80,7 +82,9 @@ def load_text_model(name: str, cache_dir: Path | None = None) -> TextModel:
     except OSError:  # no generation_config.json
         eos = None
     label = DEFAULT_MODEL if name == DEFAULT_MODEL else folder.name
-    return TextModel(label, tokenizer, ModelSpec.from_config(AutoConfig.from_pretrained(folder)), stop_ids_of(eos, tokenizer))
+    return TextModel(
+        label, tokenizer, ModelSpec.from_config(AutoConfig.from_pretrained(folder)), stop_ids_of(eos, tokenizer)
+    )
 
 
 class Detokenizer:
@@ -101,7 +105,8 @@ class Detokenizer:
 
     def add(self, tokens: list[int]) -> str:
         """Append tokens; return the new delta ('' if none). Sets `stopped` on a stop string."""
-        assert not self.stopped, "tokens after a stop string"
+        if self.stopped:
+            raise RuntimeError("tokens after a stop string")
         self.tokens.extend(tokens)
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)

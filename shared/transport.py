@@ -18,7 +18,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-TOKEN_HEADER = "x-lazyserve-token"
+TOKEN_HEADER = "x-lazyserve-token"  # noqa: S105 -- a header's name, not a secret
 
 
 @dataclass(frozen=True, repr=False)
@@ -51,11 +51,13 @@ class InternalAuth:
         return [TokenInterceptor(self.token)] if self.token else []
 
     def _channel_credentials(self) -> grpc.ChannelCredentials:
-        assert self.tls is not None
+        if self.tls is None:
+            raise RuntimeError("TLS is not configured")
         return grpc.ssl_channel_credentials(self.tls.ca, self.tls.key, self.tls.cert)
 
     def _secure_options(self) -> list[tuple[str, object]]:
-        assert self.tls is not None
+        if self.tls is None:
+            raise RuntimeError("TLS is not configured")
         if self.tls.server_name is None:
             return CHANNEL_OPTIONS
         return CHANNEL_OPTIONS + [("grpc.ssl_target_name_override", self.tls.server_name)]

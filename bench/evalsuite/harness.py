@@ -69,26 +69,56 @@ def run_case(llm, case, configs: dict) -> list[dict]:
     ref_tokens = [t for t in ref.tokens[: case.max_tokens] if t not in stops]
     ref_text = llm.tokenizer.decode(ref_tokens, skip_special_tokens=True)
     ref_score = scorers.score(case.scorer, ref_text, case.answer, case.labels, ref_text)
-    base = {"case": case.id, "task": case.task, "split": case.split, "tokens": len(ids),
-            "target_tokens": case.target_tokens, "depth": case.depth, "ttft_full_s": ref.ttft_s,
-            "ref_score": ref_score, "ref_output": ref_text}
-    records = [base | {"config": "off", "ttft_s": ref.ttft_s, "seconds": ref.ttft_s, "score": ref_score,
-                       "first_kl": 0.0, "first_top1": 1.0, "teacher_top1": 1.0, "teacher_kl": 0.0,
-                       "prefix_match": 1.0, "computed_fraction": 1.0, "revived_token_layers": 0,
-                       "output": ref_text}]
+    base = {
+        "case": case.id,
+        "task": case.task,
+        "split": case.split,
+        "tokens": len(ids),
+        "target_tokens": case.target_tokens,
+        "depth": case.depth,
+        "ttft_full_s": ref.ttft_s,
+        "ref_score": ref_score,
+        "ref_output": ref_text,
+    }
+    records = [
+        base
+        | {
+            "config": "off",
+            "ttft_s": ref.ttft_s,
+            "seconds": ref.ttft_s,
+            "score": ref_score,
+            "first_kl": 0.0,
+            "first_top1": 1.0,
+            "teacher_top1": 1.0,
+            "teacher_kl": 0.0,
+            "prefix_match": 1.0,
+            "computed_fraction": 1.0,
+            "revived_token_layers": 0,
+            "output": ref_text,
+        }
+    ]
     for name, config in configs.items():
         if name == "off":
             continue
         run = fidelity.run(model, ids, config, ref, case.max_tokens, stops)
         text = llm.tokenizer.decode(run.tokens, skip_special_tokens=True)
-        records.append(base | {
-            "config": name, "ttft_s": run.ttft_s, "seconds": run.seconds,
-            "score": scorers.score(case.scorer, text, case.answer, case.labels, ref_text),
-            "first_kl": run.first_kl, "first_top1": run.first_top1, "teacher_top1": run.teacher_top1,
-            "teacher_kl": run.teacher_kl, "prefix_match": run.prefix_match,
-            "computed_fraction": run.computed_fraction, "revived_token_layers": run.revived_token_layers,
-            "output": text,
-        })
+        records.append(
+            base
+            | {
+                "config": name,
+                "ttft_s": run.ttft_s,
+                "seconds": run.seconds,
+                "score": scorers.score(case.scorer, text, case.answer, case.labels, ref_text),
+                "first_kl": run.first_kl,
+                "first_top1": run.first_top1,
+                "teacher_top1": run.teacher_top1,
+                "teacher_kl": run.teacher_kl,
+                "prefix_match": run.prefix_match,
+                "computed_fraction": run.computed_fraction,
+                "revived_token_layers": run.revived_token_layers,
+                "output": text,
+            }
+        )
     return records
 
 
@@ -101,30 +131,36 @@ def summarize(records: list[dict]) -> list[dict]:
         solved = [r for r in answers if r["ref_score"] == 1.0]
         code = [r for r in mine if r["task"] == "code"]
         summary = [r for r in mine if r["task"] == "summary"]
-        rows.append({
-            "length": length,
-            "config": config,
-            "cases": len(mine),
-            "answer_cases": len(answers),
-            "solved_cases": len(solved),
-            "first_top1": mean_ci(r["first_top1"] for r in mine),
-            "first_kl": statistics.mean(r["first_kl"] for r in mine),
-            "teacher_top1": mean_ci(r["teacher_top1"] for r in mine),
-            "teacher_kl": statistics.mean(r["teacher_kl"] for r in mine),
-            "prefix_match": statistics.mean(r["prefix_match"] for r in mine),
-            "accuracy": mean_ci(r["score"] for r in answers),
-            "accuracy_delta": paired_difference_ci([r["score"] for r in answers], [r["ref_score"] for r in answers]),
-            "retained": mean_ci(r["score"] for r in solved),
-            "code_delta": paired_difference_ci([r["score"] for r in code], [r["ref_score"] for r in code]),
-            "summary_rouge": mean_ci(r["score"] for r in summary),
-            "per_task": {t: statistics.mean(r["score"] for r in mine if r["task"] == t)
-                         for t in sorted({r["task"] for r in mine})},
-            "ttft_speedup": statistics.median(r["ttft_full_s"] / r["ttft_s"] for r in mine),
-            "ttft_s": statistics.median(r["ttft_s"] for r in mine),
-            "computed_fraction": statistics.mean(r["computed_fraction"] for r in mine),
-            "revived_token_layers": statistics.mean(r["revived_token_layers"] for r in mine),
-            "seconds": sum(r["seconds"] for r in mine),
-        })
+        rows.append(
+            {
+                "length": length,
+                "config": config,
+                "cases": len(mine),
+                "answer_cases": len(answers),
+                "solved_cases": len(solved),
+                "first_top1": mean_ci(r["first_top1"] for r in mine),
+                "first_kl": statistics.mean(r["first_kl"] for r in mine),
+                "teacher_top1": mean_ci(r["teacher_top1"] for r in mine),
+                "teacher_kl": statistics.mean(r["teacher_kl"] for r in mine),
+                "prefix_match": statistics.mean(r["prefix_match"] for r in mine),
+                "accuracy": mean_ci(r["score"] for r in answers),
+                "accuracy_delta": paired_difference_ci(
+                    [r["score"] for r in answers], [r["ref_score"] for r in answers]
+                ),
+                "retained": mean_ci(r["score"] for r in solved),
+                "code_delta": paired_difference_ci([r["score"] for r in code], [r["ref_score"] for r in code]),
+                "summary_rouge": mean_ci(r["score"] for r in summary),
+                "per_task": {
+                    t: statistics.mean(r["score"] for r in mine if r["task"] == t)
+                    for t in sorted({r["task"] for r in mine})
+                },
+                "ttft_speedup": statistics.median(r["ttft_full_s"] / r["ttft_s"] for r in mine),
+                "ttft_s": statistics.median(r["ttft_s"] for r in mine),
+                "computed_fraction": statistics.mean(r["computed_fraction"] for r in mine),
+                "revived_token_layers": statistics.mean(r["revived_token_layers"] for r in mine),
+                "seconds": sum(r["seconds"] for r in mine),
+            }
+        )
     return rows
 
 
@@ -139,14 +175,43 @@ def _pp(triple) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    header = ["tokens", "config", "cases", "TTFT speedup", "computed", "first-token top-1 %", "first KL",
-              "teacher-forced top-1 %", "teacher KL", "prefix match %", "accuracy vs off (pp)",
-              "retained % (solved)", "code vs off (pp)", "summary ROUGE-L %", "seconds"]
-    body = [[row["length"], row["config"], row["cases"], f"{row['ttft_speedup']:.2f}x", f"{row['computed_fraction']:.2f}",
-             _pct(row["first_top1"]), f"{row['first_kl']:.3f}", _pct(row["teacher_top1"]), f"{row['teacher_kl']:.3f}",
-             f"{100 * row['prefix_match']:.0f}", _pp(row["accuracy_delta"]),
-             f"{_pct(row['retained'])} of {row['solved_cases']}", _pp(row["code_delta"]), _pct(row["summary_rouge"]),
-             f"{row['seconds']:.0f}"] for row in rows]
+    header = [
+        "tokens",
+        "config",
+        "cases",
+        "TTFT speedup",
+        "computed",
+        "first-token top-1 %",
+        "first KL",
+        "teacher-forced top-1 %",
+        "teacher KL",
+        "prefix match %",
+        "accuracy vs off (pp)",
+        "retained % (solved)",
+        "code vs off (pp)",
+        "summary ROUGE-L %",
+        "seconds",
+    ]
+    body = [
+        [
+            row["length"],
+            row["config"],
+            row["cases"],
+            f"{row['ttft_speedup']:.2f}x",
+            f"{row['computed_fraction']:.2f}",
+            _pct(row["first_top1"]),
+            f"{row['first_kl']:.3f}",
+            _pct(row["teacher_top1"]),
+            f"{row['teacher_kl']:.3f}",
+            f"{100 * row['prefix_match']:.0f}",
+            _pp(row["accuracy_delta"]),
+            f"{_pct(row['retained'])} of {row['solved_cases']}",
+            _pp(row["code_delta"]),
+            _pct(row["summary_rouge"]),
+            f"{row['seconds']:.0f}",
+        ]
+        for row in rows
+    ]
     return markdown_table(header, body)
 
 
@@ -157,8 +222,10 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     lengths = sorted({row["length"] for row in rows})
-    panels = (("accuracy_delta", "accuracy vs unpruned (pp, answer tasks)"),
-              ("teacher_top1", "teacher-forced top-1 agreement (%)"))
+    panels = (
+        ("accuracy_delta", "accuracy vs unpruned (pp, answer tasks)"),
+        ("teacher_top1", "teacher-forced top-1 agreement (%)"),
+    )
     figure, axes = plt.subplots(len(panels), len(lengths), figsize=(5 * len(lengths), 8), squeeze=False)
     for column, length in enumerate(lengths):
         for line, (key, label) in enumerate(panels):
@@ -167,10 +234,17 @@ def plot(rows: list[dict], path: Path) -> None:
                 mean, low, high = (100 * value for value in row[key])
                 if mean != mean:
                     continue
-                axis.errorbar(mean, row["ttft_speedup"], xerr=[[mean - low], [high - mean]], fmt="o", capsize=3,
-                              color="black" if row["config"] == "off" else None)
-                axis.annotate(row["config"], (mean, row["ttft_speedup"]), fontsize=7, xytext=(3, 3),
-                              textcoords="offset points")
+                axis.errorbar(
+                    mean,
+                    row["ttft_speedup"],
+                    xerr=[[mean - low], [high - mean]],
+                    fmt="o",
+                    capsize=3,
+                    color="black" if row["config"] == "off" else None,
+                )
+                axis.annotate(
+                    row["config"], (mean, row["ttft_speedup"]), fontsize=7, xytext=(3, 3), textcoords="offset points"
+                )
             axis.set_title(f"{length} prompt tokens")
             axis.set_xlabel(label)
             axis.set_ylabel("TTFT speedup over unpruned (x)")
@@ -184,15 +258,25 @@ def _names(values: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lazyserve eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lazyserve eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help=f"from {', '.join(TASKS)}")
-    parser.add_argument("--configs", nargs="+", default=["off", "default", "fast"],
-                        help=f"presets or {', '.join(SCHEDULES)}; commas or spaces")
-    parser.add_argument("--schedule", action="append", default=[], metavar="NAME=JSON",
-                        help="an extra configuration, a PruneConfig as JSON (repeatable)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["off", "default", "fast"],
+        help=f"presets or {', '.join(SCHEDULES)}; commas or spaces",
+    )
+    parser.add_argument(
+        "--schedule",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="an extra configuration, a PruneConfig as JSON (repeatable)",
+    )
     parser.add_argument("--split", choices=["dev", "test"], default="dev")
     parser.add_argument("--limit", type=int, default=30, help="cases per (task, length)")
     parser.add_argument("--threads", type=int, default=2)
@@ -203,7 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(args.tasks) - set(TASKS):
         parser.error(f"unknown tasks {sorted(unknown)}; choose from {', '.join(TASKS)}")
     if args.quick:
-        args.lengths, args.tasks, args.configs, args.limit = [QUICK_LENGTH], list(QUICK_TASKS), ["off", *QUICK_CONFIGS], 3
+        args.lengths, args.tasks, args.configs, args.limit = (
+            [QUICK_LENGTH],
+            list(QUICK_TASKS),
+            ["off", *QUICK_CONFIGS],
+            3,
+        )
 
     import torch
 
@@ -223,10 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(records)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = vars(args) | {"resolved": {name: config.model_dump() for name, config in configs.items()},
-                             "seconds": time.time() - start}
-    (out / "results.json").write_text(json.dumps({"settings": settings, "machine": machine(), "summary": rows,
-                                                   "records": records}, indent=2))
+    settings = vars(args) | {
+        "resolved": {name: config.model_dump() for name, config in configs.items()},
+        "seconds": time.time() - start,
+    }
+    (out / "results.json").write_text(
+        json.dumps({"settings": settings, "machine": machine(), "summary": rows, "records": records}, indent=2)
+    )
     markdown = table(rows)
     (out / "table.md").write_text(markdown + "\n")
     plot(rows, out / "speed_fidelity.png")

@@ -167,7 +167,10 @@ def _code(rng, chars, depth):
         candidates = [
             i
             for i, line in enumerate(lines)
-            if i > 0 and line.startswith("        ") and len(line.strip()) > 12 and not line.strip().startswith("#")
+            if i > 0
+            and line.startswith("        ")
+            and len(line.strip()) > 12
+            and not line.strip().startswith("#")
             and sum(len(x) for x in lines[:i]) > chars
         ]
         if candidates:
@@ -196,7 +199,9 @@ _BUILDERS = {
 def _count(tokenizer, case_url: str, content: str) -> int:
     if case_url == "/v1/completions":
         return len(tokenizer(content).input_ids)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     return len(tokenizer(text, add_special_tokens=False).input_ids)
 
 

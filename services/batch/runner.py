@@ -74,7 +74,9 @@ def load_pruning_flag(value: str | None) -> str | dict | None:
     return json.loads(path.read_text())
 
 
-def run_batch(llm: LLM, source: Path, target: Path, pruning_flag: str | dict | None, progress: bool = True) -> BatchSummary:
+def run_batch(
+    llm: LLM, source: Path, target: Path, pruning_flag: str | dict | None, progress: bool = True
+) -> BatchSummary:
     lines = [raw for raw in source.read_text().splitlines() if raw.strip()]
     summary = BatchSummary()
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from shared.engine import Decoding, EngineModel, Generation, PrefillRun, SamplingParams, decode_batch, fill_prefill_stats
+from shared.engine import (
+    Decoding,
+    EngineModel,
+    Generation,
+    PrefillRun,
+    SamplingParams,
+    decode_batch,
+    fill_prefill_stats,
+)
 from shared.rpc import ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -47,13 +55,13 @@ class Sequence:
     prefill_started: float | None = None  # when its local prefill first ran
 
     @classmethod
-    def resumed(cls, request_id: str, decoding: Decoding, first_token: int) -> "Sequence":
+    def resumed(cls, request_id: str, decoding: Decoding, first_token: int) -> Sequence:
         """A transferred cache: the first token was sampled by the prefill worker and sent already."""
         decoding.accept(first_token)
         return cls(request_id, decoding.generation, decoding=decoding)
 
     @classmethod
-    def local(cls, request_id: str, run: PrefillRun, params: SamplingParams) -> "Sequence":
+    def local(cls, request_id: str, run: PrefillRun, params: SamplingParams) -> Sequence:
         return cls(request_id, Generation(), prefill=run, params=params)
 
     @property

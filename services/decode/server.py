@@ -15,19 +15,18 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.decode.scheduler import FAILED, TOKEN, Scheduler, Sequence
 from services.decode.settings import DecodeSettings
-from shared.engine.pruning import preset
 from services.decode.transfers import TransferTable
 from shared.engine import Decoding, Generation, PrefillRun, PruneConfig, Sampler, SamplingParams
-from opentelemetry.trace import SpanKind, Status, StatusCode
-
+from shared.engine.pruning import preset
 from shared.models import LoadedModel
-from shared.telemetry import extract_context, tracer
 from shared.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
+from shared.telemetry import extract_context, tracer
 from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb
 from shared.transfer.messages import prompt_from_pb
 
@@ -89,7 +88,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         if kind == "end":
             self.transfers.complete(transfer, assembler.end(message.end))
             return pb.PushKVReply(
-                transfer_id=transfer.transfer_id, num_frames=assembler.num_frames, bytes_received=transfer.bytes_received
+                transfer_id=transfer.transfer_id,
+                num_frames=assembler.num_frames,
+                bytes_received=transfer.bytes_received,
             )
         raise FrameError(f"unexpected {kind or 'empty'} message inside transfer {transfer.transfer_id!r}")
 
@@ -157,7 +158,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         if source == "prompt":
             ids, config, params = self._local_request(request.prompt)
             # Prefilled here, a layer at a time between decode steps, on the engine thread.
-            return Sequence.local(request_id, PrefillRun(self.model, ids, config, reserve=params.max_new_tokens), params)
+            return Sequence.local(
+                request_id, PrefillRun(self.model, ids, config, reserve=params.max_new_tokens), params
+            )
         raise InvalidArgument("GenerateRequest needs a transfer_id or a prompt")
 
     def _local_request(self, prompt: pb.LocalPrompt) -> tuple[torch.Tensor, PruneConfig, SamplingParams]:

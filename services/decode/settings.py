@@ -16,7 +16,9 @@ class DecodeSettings(WorkerSettings):
 
     port: int = Field(50061, ge=0, le=65535, description="0 picks a free port")
     transfer_timeout_s: float = Field(120.0, gt=0, description="lease: a transfer must complete within this")
-    claim_timeout_s: float = Field(30.0, gt=0, description="lease: a complete transfer must be claimed by Generate within this")
+    claim_timeout_s: float = Field(
+        30.0, gt=0, description="lease: a complete transfer must be claimed by Generate within this"
+    )
     max_transfers: int = Field(64, ge=1, description="transfers receiving or waiting at once")
     max_sequences: int = Field(64, ge=1, description="sequences generating at once")
     # Batch defaults for 2 CPU cores: `lazyserve bench decode` shows aggregate tokens/s still

@@ -61,7 +61,9 @@ class TransferTable:
 
     def check_alive(self, transfer: Transfer) -> None:
         if transfer.expired:
-            raise DeadlineExceeded(f"transfer {transfer.transfer_id!r} did not complete within {self.transfer_timeout_s} s")
+            raise DeadlineExceeded(
+                f"transfer {transfer.transfer_id!r} did not complete within {self.transfer_timeout_s} s"
+            )
 
     def complete(self, transfer: Transfer, assembled: Assembled) -> None:
         with self._lock:

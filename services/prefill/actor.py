@@ -20,7 +20,6 @@ class PrefillActor:
     def __init__(self, settings_json: str):
         from services.prefill.worker import start_prefill_worker
         from shared.models import load_model
-
         from shared.telemetry import setup_logging, setup_tracing
 
         setup_logging()
@@ -34,7 +33,7 @@ class PrefillActor:
 
         torch.set_num_threads(engine.threads or max(1, int(settings.num_cpus)))
         loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
-        if settings.host in ("0.0.0.0", "::") and settings.advertise_host is None:
+        if settings.host in ("0.0.0.0", "::") and settings.advertise_host is None:  # noqa: S104 -- a check, not a bind
             # Reachable from other nodes at this node's address, wherever Ray placed the actor.
             settings = settings.model_copy(update={"advertise_host": ray.util.get_node_ip_address()})
         self.worker = start_prefill_worker(settings, loaded)
@@ -43,7 +42,10 @@ class PrefillActor:
             from shared.registry import Heartbeat, WorkerInfo
 
             info = WorkerInfo(
-                role="prefill", address=self.worker.address, model=loaded.name, capacity=settings.max_concurrent_prefills
+                role="prefill",
+                address=self.worker.address,
+                model=loaded.name,
+                capacity=settings.max_concurrent_prefills,
             )
             self.heartbeat = Heartbeat(settings.redis_url, info, settings.heartbeat_ttl_s)
 

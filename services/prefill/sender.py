@@ -9,7 +9,7 @@ deadline passes, the next put() raises at once and prefill stops there.
 from __future__ import annotations
 
 import queue
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 from opentelemetry.propagate import inject

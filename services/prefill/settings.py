@@ -15,7 +15,9 @@ from shared.transfer import DEFAULT_FRAME_BYTES
 class PrefillSettings(WorkerSettings):
     model_config = SettingsConfigDict(env_prefix="LAZYSERVE_PREFILL_", extra="ignore")
 
-    frame_bytes: int = Field(DEFAULT_FRAME_BYTES, ge=4096, le=4 << 20, description="tensor payload per frame, KV and Aux each")
+    frame_bytes: int = Field(
+        DEFAULT_FRAME_BYTES, ge=4096, le=4 << 20, description="tensor payload per frame, KV and Aux each"
+    )
     send_queue_layers: int = Field(8, ge=1, description="layers computed ahead of the sender before prefill waits")
     transfer_timeout_s: float = Field(120.0, gt=0, description="deadline of a transfer when the caller set none")
     max_concurrent_prefills: int = Field(1, ge=1, description="prefills computing at once; more wait their turn")

@@ -14,16 +14,15 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from opentelemetry.trace import SpanKind
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.prefill.sender import KVSender
 from services.prefill.settings import PrefillSettings
-from shared.engine.pruning import preset
 from shared.engine import Sampler, Stats, fill_prefill_stats, prefill
+from shared.engine.pruning import preset
 from shared.models import LoadedModel
-from opentelemetry.trace import SpanKind
-
 from shared.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, start_serving
 from shared.telemetry import extract_context, tracer
 from shared.transfer import end_message, header_message, stats_to_pb
@@ -115,7 +114,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             waited = time.perf_counter()
             reply = sender.finish(
                 lambda num_frames: end_message(
-                    request.transfer_id, request.prompt_ids, first_token, config, params, sampler.state(), num_frames, stats
+                    request.transfer_id,
+                    request.prompt_ids,
+                    first_token,
+                    config,
+                    params,
+                    sampler.state(),
+                    num_frames,
+                    stats,
                 )
             )
             waited = time.perf_counter() - waited
@@ -124,7 +130,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.counters.failed += 1
             raise
         self.counters.completed += 1
-        log.debug("prefill %s: %d tokens, %d frames, %d bytes", request.transfer_id, len(ids), reply.num_frames, sender.bytes_sent)
+        log.debug(
+            "prefill %s: %d tokens, %d frames, %d bytes",
+            request.transfer_id,
+            len(ids),
+            reply.num_frames,
+            sender.bytes_sent,
+        )
         return pb.PrefillReply(
             transfer_id=request.transfer_id,
             first_token=first_token,
@@ -151,6 +163,8 @@ def start_prefill_worker(settings: PrefillSettings, loaded: LoadedModel) -> Pref
     servicer = PrefillServicer(loaded, settings)
     server, health = make_server(settings.grpc_workers, auth=servicer.auth)
     pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-    address = start_serving(server, health, settings.host, settings.port, settings.advertise_host, [SERVICE], servicer.auth)
+    address = start_serving(
+        server, health, settings.host, settings.port, settings.advertise_host, [SERVICE], servicer.auth
+    )
     log.info("prefill worker serving %s on %s", loaded.name, address)
     return PrefillWorker(server, servicer, address)

@@ -12,9 +12,9 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import grpc
 from opentelemetry import context as otel_context
@@ -28,8 +28,8 @@ from services.router.policy import Decision, NoWorkerError
 from services.router.tracing import annotate_decision
 from services.router.workers import DECODE_TOKENS, PREFILL_COST, Workers
 from shared.engine import Stats
-from shared.telemetry import tracer
 from shared.serving import Prepared
+from shared.telemetry import tracer
 from shared.text import TextModel
 from shared.transfer import pruning_to_pb, sampling_to_pb, stats_from_pb
 from shared.transport import NO_AUTH, InternalAuth
@@ -108,7 +108,10 @@ class Dispatcher:
         self.metrics.routing.labels(decision.kind, self.policy.name).inc()
         log.debug(
             "route %s: %s (prefill=%s decode=%s, predicted cost %.0f)",
-            decision.kind, decision.reason, decision.prefill and decision.prefill.address, decision.decode.address,
+            decision.kind,
+            decision.reason,
+            decision.prefill and decision.prefill.address,
+            decision.decode.address,
             decision.prefill_cost,
         )
         return decision
@@ -164,7 +167,8 @@ class Dispatcher:
         decode = pb_grpc.DecodeServiceStub(self._channel(decision.decode.address))
         if decision.prefill is None:
             request = pb.GenerateRequest(
-                request_id=request_id, prompt=pb.LocalPrompt(prompt_ids=prepared.ids, pruning=pruning, sampling=sampling)
+                request_id=request_id,
+                prompt=pb.LocalPrompt(prompt_ids=prepared.ids, pruning=pruning, sampling=sampling),
             )
         else:
             transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"

@@ -13,9 +13,16 @@ from shared.serving import RequestError
 
 log = logging.getLogger(__name__)
 
-KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout", 500: "server_error"}
-
+KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+    500: "server_error",
+}
 
 
 def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> ErrorBody:
@@ -25,7 +32,9 @@ def error_body(message: str, kind: str, code: str | None = None, param: str | No
 def status_of(error: Exception) -> tuple[int, object]:
     """The one translation of failures into HTTP statuses and OpenAI error bodies."""
     if isinstance(error, RequestError):
-        return error.status_code, error_body(error.message, KINDS.get(error.status_code, "invalid_request_error"), error.code, error.param)
+        return error.status_code, error_body(
+            error.message, KINDS.get(error.status_code, "invalid_request_error"), error.code, error.param
+        )
     if isinstance(error, NoWorkerError):
         return 503, error_body(f"no worker can take the request: {error}", KINDS[503], "no_worker")
     if isinstance(error, UpstreamError):

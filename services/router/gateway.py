@@ -23,11 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.auth import KeyStore, hash_key
 from services.router.dispatch import Dispatcher
+from services.router.errors import status_of
 from services.router.metrics import GatewayMetrics
 from services.router.openapi import build_openapi
 from services.router.policy import make_policy
 from services.router.records import RequestRecords
-from services.router.errors import status_of
 from services.router.responses import TextJob, stream_events
 from services.router.settings import GatewaySettings
 from services.router.tracing import (
@@ -47,9 +47,15 @@ from shared.text import TextModel
 log = logging.getLogger(__name__)
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
 def static_workers(settings: GatewaySettings, model: str) -> StaticWorkers:
-    workers = [WorkerInfo(worker_id=f"prefill@{a}", role="prefill", address=a, model=model) for a in settings.prefill_workers]
-    workers += [WorkerInfo(worker_id=f"decode@{a}", role="decode", address=a, model=model) for a in settings.decode_workers]
+    workers = [
+        WorkerInfo(worker_id=f"prefill@{a}", role="prefill", address=a, model=model) for a in settings.prefill_workers
+    ]
+    workers += [
+        WorkerInfo(worker_id=f"decode@{a}", role="decode", address=a, model=model) for a in settings.decode_workers
+    ]
     return StaticWorkers(workers)
 
 
@@ -115,7 +121,9 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
         header = request.headers.get("authorization", "")
         presented = header[7:].strip() if header.lower().startswith("bearer ") else None
         if not await run_in_threadpool(keys.accepts, presented):  # may ask Redis: off the loop
-            raise RequestError(401, "missing or invalid API key (send it as `Authorization: Bearer KEY`)", code="invalid_api_key")
+            raise RequestError(
+                401, "missing or invalid API key (send it as `Authorization: Bearer KEY`)", code="invalid_api_key"
+            )
         return hash_key(presented) if presented else (request.client.host if request.client else "?")
 
     async def read_body(request: Request) -> dict:
@@ -212,7 +220,11 @@ def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | No
             await record(request_id, job, "failed", error)
             raise
         annotate_decision(span, decision, dispatcher.policy.name)
-        headers = {"x-request-id": request_id, "x-lazyserve-route": decision.kind, "x-lazyserve-decode": decision.decode.address}
+        headers = {
+            "x-request-id": request_id,
+            "x-lazyserve-route": decision.kind,
+            "x-lazyserve-decode": decision.decode.address,
+        }
         if parsed.stream:
             include_usage = bool((parsed.stream_options or {}).get("include_usage"))
 

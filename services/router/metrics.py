@@ -11,17 +11,32 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 class GatewayMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("lazyserve_ttft_seconds", "time to first token, as the gateway saw it", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("lazyserve_inter_token_latency_seconds", "time between streamed token batches per token", buckets=TOKEN_BUCKETS, registry=r)
-        self.e2e = Histogram("lazyserve_e2e_latency_seconds", "request start to last token", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "lazyserve_ttft_seconds", "time to first token, as the gateway saw it", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "lazyserve_inter_token_latency_seconds",
+            "time between streamed token batches per token",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "lazyserve_e2e_latency_seconds", "request start to last token", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.requests = Counter("lazyserve_requests", "requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("lazyserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter("lazyserve_completion_tokens", "generated tokens", registry=r)
         self.computed_fraction = Histogram(
-            "lazyserve_computed_fraction", "token-layers computed / the full model's, per request",
-            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r,
+            "lazyserve_computed_fraction",
+            "token-layers computed / the full model's, per request",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            registry=r,
         )
-        self.kv_bytes = Counter("lazyserve_kv_transfer_bytes", "KV transfer stream bytes, prefill to decode", registry=r)
+        self.kv_bytes = Counter(
+            "lazyserve_kv_transfer_bytes", "KV transfer stream bytes, prefill to decode", registry=r
+        )
         self.routing = Counter("lazyserve_routing_decisions", "routing decisions", ["kind", "policy"], registry=r)
-        self.retries = Counter("lazyserve_retries", "requests retried on another worker before the first token", registry=r)
+        self.retries = Counter(
+            "lazyserve_retries", "requests retried on another worker before the first token", registry=r
+        )
         self.in_flight = Gauge("lazyserve_in_flight_requests", "requests in progress", registry=r)

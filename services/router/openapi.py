@@ -52,7 +52,10 @@ def build_openapi(app) -> dict:
     ]
     _, definitions = models_json_schema(models, ref_template=REF)
     schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
-    for url, request, response in ((CHAT_URL, ChatCompletionRequest, ChatCompletion), (COMPLETIONS_URL, CompletionRequest, TextCompletion)):
+    for url, request, response in (
+        (CHAT_URL, ChatCompletionRequest, ChatCompletion),
+        (COMPLETIONS_URL, CompletionRequest, TextCompletion),
+    ):
         operation = schema["paths"][url]["post"]
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
         operation["responses"] = {
@@ -60,6 +63,9 @@ def build_openapi(app) -> dict:
                 "description": "the completion; with stream: true, server-sent events of chunks ending in [DONE]",
                 "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": {"schema": SSE_EVENT}},
             },
-            **{code: {"description": text, "content": {"application/json": {"schema": _ref(ErrorResponse)}}} for code, text in ERRORS.items()},
+            **{
+                code: {"description": text, "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+                for code, text in ERRORS.items()
+            },
         }
     return schema

@@ -45,8 +45,15 @@ class LengthAwarePolicy:
     def __init__(self, local_threshold: int):
         self.local_threshold = local_threshold
 
-    def choose(self, workers: Workers, model: str, prompt_tokens: int, fraction: float, max_tokens: int,
-               exclude: set[str] = frozenset()) -> Decision:
+    def choose(
+        self,
+        workers: Workers,
+        model: str,
+        prompt_tokens: int,
+        fraction: float,
+        max_tokens: int,
+        exclude: set[str] = frozenset(),
+    ) -> Decision:
         live = [w for w in workers.list() if w.model == model and w.worker_id not in exclude]
         decoders = [w for w in live if w.role == "decode"]
         prefillers = [w for w in live if w.role == "prefill"]
@@ -55,12 +62,16 @@ class LengthAwarePolicy:
         cost = prompt_tokens * fraction
         decode = _least(decoders, workers.loads(DECODE_TOKENS))
         if prompt_tokens < self.local_threshold:
-            return Decision(decode, None, f"short prompt ({prompt_tokens} < {self.local_threshold} tokens)", cost, max_tokens)
+            return Decision(
+                decode, None, f"short prompt ({prompt_tokens} < {self.local_threshold} tokens)", cost, max_tokens
+            )
         if not prefillers:
             # Visible in the reason, the metric and the log: a long prompt prefilled on decode.
             return Decision(decode, None, "long prompt, but no prefill worker is live", cost, max_tokens)
         prefill = _least(prefillers, workers.loads(PREFILL_COST))
-        return Decision(decode, prefill, f"long prompt ({prompt_tokens} >= {self.local_threshold} tokens)", cost, max_tokens)
+        return Decision(
+            decode, prefill, f"long prompt ({prompt_tokens} >= {self.local_threshold} tokens)", cost, max_tokens
+        )
 
 
 class RoundRobinPolicy:
@@ -71,9 +82,18 @@ class RoundRobinPolicy:
     def __init__(self):
         self._turn = itertools.count()
 
-    def choose(self, workers: Workers, model: str, prompt_tokens: int, fraction: float, max_tokens: int,
-               exclude: set[str] = frozenset()) -> Decision:
-        live = sorted((w for w in workers.list() if w.model == model and w.worker_id not in exclude), key=lambda w: w.worker_id)
+    def choose(
+        self,
+        workers: Workers,
+        model: str,
+        prompt_tokens: int,
+        fraction: float,
+        max_tokens: int,
+        exclude: set[str] = frozenset(),
+    ) -> Decision:
+        live = sorted(
+            (w for w in workers.list() if w.model == model and w.worker_id not in exclude), key=lambda w: w.worker_id
+        )
         decoders = [w for w in live if w.role == "decode"]
         prefillers = [w for w in live if w.role == "prefill"]
         if not decoders:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import AsyncIterator
 
 from services.router.dispatch import Finished, Tokens
 from services.router.metrics import GatewayMetrics
@@ -42,7 +42,8 @@ class TextJob:
     async def route(self) -> Decision:
         """Take the routing decision (the first event): errors of routing surface here, before streaming."""
         event = await anext(self.events)
-        assert isinstance(event, Decision), f"expected the routing decision first, got {event!r}"
+        if not isinstance(event, Decision):
+            raise RuntimeError(f"expected the routing decision first, got {event!r}")
         self.decision = event
         return event
 
@@ -95,12 +96,22 @@ async def stream_events(job: TextJob, request, model: str, include_usage: bool, 
 
     def chunk(delta: str | None, finish=None, role=False, usage=None, metrics=None) -> str:
         if chat:
-            choices = [] if delta is None and finish is None and not role else [
-                ChatChunkChoice(delta=ChatDelta(role="assistant" if role else None, content=delta), finish_reason=finish)
-            ]
+            choices = (
+                []
+                if delta is None and finish is None and not role
+                else [
+                    ChatChunkChoice(
+                        delta=ChatDelta(role="assistant" if role else None, content=delta), finish_reason=finish
+                    )
+                ]
+            )
             body = ChatCompletionChunk(**base, choices=choices, usage=usage, metrics=metrics)
         else:
-            choices = [] if delta is None and finish is None else [CompletionChunkChoice(text=delta or "", finish_reason=finish)]
+            choices = (
+                []
+                if delta is None and finish is None
+                else [CompletionChunkChoice(text=delta or "", finish_reason=finish)]
+            )
             body = CompletionChunk(**base, choices=choices, usage=usage, metrics=metrics)
         return sse(body.model_dump(exclude_none=True) if not chat else _chat_dump(body))
 

@@ -38,11 +38,15 @@ class GatewaySettings(InternalAuthSettings):
     decode_workers: AddressList = Field(default_factory=list, description="static mode: decode worker addresses")
     routing: Literal["length", "round_robin"] = "length"
     local_threshold: int = Field(1024, ge=0, description="prompts shorter than this are prefilled on a decode worker")
-    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list, description="accepted keys; hashed at start")
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="accepted keys; hashed at start"
+    )
     require_api_key: bool | None = Field(
         None, description="None: required unless the gateway listens on loopback only (local development)"
     )
-    max_streams_per_key: int = Field(16, ge=1, description="requests in progress per API key (or per client without keys)")
+    max_streams_per_key: int = Field(
+        16, ge=1, description="requests in progress per API key (or per client without keys)"
+    )
     max_in_flight: int = Field(64, ge=1, description="requests in progress; more get 429")
     request_timeout_s: float = Field(600.0, gt=0, description="past this a request ends with 504")
     max_body_bytes: int = Field(4 << 20, ge=1024)

@@ -18,6 +18,11 @@ import torch
 from shared.engine.model import ModelSpec
 
 
+class InvariantError(AssertionError):
+    """A broken cache invariant (a token-layer computed twice, a revival without its state): a bug
+    in the caller, raised explicitly so that it also holds under `python -O`."""
+
+
 class LayerKV:
     """Growable K/V store of one layer. k, v: [1, Hkv, capacity, D]; positions: [capacity].
 
@@ -105,7 +110,7 @@ class QueryWindow:
     positions: torch.Tensor
     q: torch.Tensor
 
-    def push(self, position: torch.Tensor, q: torch.Tensor, size: int) -> "QueryWindow":
+    def push(self, position: torch.Tensor, q: torch.Tensor, size: int) -> QueryWindow:
         """The window after query q [1, H, 1, D] at position [1] joins it, keeping the last `size`."""
         return QueryWindow(torch.cat([self.positions, position])[-size:], torch.cat([self.q, q], dim=2)[:, :, -size:])
 
@@ -126,7 +131,7 @@ class LazyCache:
     windows: dict[int, QueryWindow] = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, spec: ModelSpec, num_prompt: int, extra: int, dtype, device) -> "LazyCache":
+    def empty(cls, spec: ModelSpec, num_prompt: int, extra: int, dtype, device) -> LazyCache:
         """A cache for a prompt of `num_prompt` tokens; each layer keeps room for `extra` decode rows."""
         capacity = num_prompt + extra
         hidden = torch.empty(0, spec.hidden_size, dtype=dtype, device=device)
@@ -147,7 +152,8 @@ class LazyCache:
                 grown = self.depth.new_zeros(max(end, 2 * self.depth.shape[0]))
                 grown[: self.depth.shape[0]] = self.depth
                 self.depth = grown
-            assert bool((self.depth[positions] == layer).all()), f"a token-layer at layer {layer} computed twice"
+            if not bool((self.depth[positions] == layer).all()):
+                raise InvariantError(f"a token-layer at layer {layer} computed twice")
             self.length = max(self.length, end)
         self.layers[layer].append(positions, k, v)
         self.depth[positions] = layer + 1
@@ -163,12 +169,14 @@ class LazyCache:
     def revive(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Remove `positions` from layer's Aux Cache and return their hidden states, in that order."""
         entries = self.aux[layer]
-        assert entries.positions.shape[0] > 0, f"no Aux Cache entries at layer {layer}"
+        if entries.positions.shape[0] == 0:
+            raise InvariantError(f"no Aux Cache entries at layer {layer}")
         # Index of each aux position in a position-sized lookup table.
         lookup = torch.full((int(entries.positions.max()) + 1,), -1, dtype=torch.long, device=positions.device)
         lookup[entries.positions] = torch.arange(entries.positions.shape[0], device=positions.device)
         rows = lookup[positions]
-        assert bool((rows >= 0).all()), f"revived token missing from the Aux Cache of layer {layer}"
+        if not bool((rows >= 0).all()):
+            raise InvariantError(f"revived token missing from the Aux Cache of layer {layer}")
         keep = torch.ones(entries.positions.shape[0], dtype=torch.bool, device=positions.device)
         keep[rows] = False
         hidden = entries.hidden[rows]

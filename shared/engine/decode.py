@@ -24,7 +24,7 @@ measures both on the same shapes, and the per-sequence calls win at every batch 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -115,8 +115,10 @@ def decode_batch(model: EngineModel, batch: Sequence[tuple[LazyCache, int, Prune
     Returns the logits [len(batch), vocab] for each sequence's next token, in batch order. The
     caches must be distinct: a sequence appears at most once per step.
     """
-    assert batch, "an empty batch"
-    assert len({id(cache) for cache, _, _ in batch}) == len(batch), "a cache appears twice in one batch"
+    if not batch:
+        raise ValueError("an empty batch")
+    if len({id(cache) for cache, _, _ in batch}) != len(batch):
+        raise ValueError("a cache appears twice in one batch")
     seqs = [_Rows(model, cache, config) for cache, _, config in batch]
     tokens = torch.tensor([token for _, token, _ in batch], device=model.device)
     h = model.embed_tokens(tokens)  # [batch, hidden]: one row per sequence to start with
@@ -143,7 +145,7 @@ def decode_batch(model: EngineModel, batch: Sequence[tuple[LazyCache, int, Prune
         for seq, rows_h in zip(seqs, h.split(sizes)):
             seq.h = rows_h
             seq.reselect(index)
-    raise AssertionError("unreachable: the last layer returns")
+    raise RuntimeError("unreachable: the last layer returns")
 
 
 def decode_step(model: EngineModel, cache: LazyCache, token: int, config: PruneConfig) -> torch.Tensor:

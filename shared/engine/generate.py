@@ -6,8 +6,8 @@ Token ids in, token ids out: this module knows nothing about tokenization or cha
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -28,9 +28,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        assert self.max_new_tokens >= 1, "max_new_tokens must be >= 1"
-        assert self.temperature >= 0.0, "temperature must be >= 0"
-        assert 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"
+        # Explicit checks, not asserts: they hold under `python -O` too.
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if not self.temperature >= 0.0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -145,7 +149,8 @@ def decode_tokens(
     With first_token instead of first_logits, generation resumes after a token sampled elsewhere
     (a prefill worker): it is recorded but not yielded again.
     """
-    assert (first_logits is None) != (first_token is None), "give first_logits or first_token"
+    if (first_logits is None) == (first_token is None):
+        raise ValueError("give first_logits or first_token")
     decoding = Decoding(cache, config, params, generation, sampler)
     try:
         if first_token is None:
@@ -172,7 +177,11 @@ def fill_prefill_stats(stats: Stats, cache: LazyCache, ttft_s: float) -> None:
 
 
 def stream(
-    model: EngineModel, ids: list[int] | torch.Tensor, config: PruneConfig, params: SamplingParams, generation: Generation
+    model: EngineModel,
+    ids: list[int] | torch.Tensor,
+    config: PruneConfig,
+    params: SamplingParams,
+    generation: Generation,
 ) -> Iterator[int]:
     """Prefill `ids` and yield generated tokens; `generation` is filled in as it goes."""
     ids = torch.as_tensor(ids, dtype=torch.long)

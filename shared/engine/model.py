@@ -35,16 +35,14 @@ class ModelSpec:
         return 2 * self.num_kv_heads * self.head_dim * 4
 
     @classmethod
-    def from_config(cls, config) -> "ModelSpec":
+    def from_config(cls, config) -> ModelSpec:
         model_type = getattr(config, "model_type", "?")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model type {model_type!r} is not supported; the engine runs {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         window = getattr(config, "sliding_window", None)
-        uses_window = window is not None and (
-            model_type == "mistral" or getattr(config, "use_sliding_window", False)
-        )
+        uses_window = window is not None and (model_type == "mistral" or getattr(config, "use_sliding_window", False))
         if uses_window and window < config.max_position_embeddings:
             raise UnsupportedModelError(
                 f"sliding-window attention (window {window}) is not supported; use a checkpoint without it"

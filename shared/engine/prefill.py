@@ -10,8 +10,8 @@ as it comes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -53,7 +53,8 @@ class PrefillRun:
         on_layer: Callable[[LayerFrame], None] | None = None,
     ):
         n = ids.shape[0]
-        assert n >= 1, "empty prompt"
+        if n < 1:
+            raise ValueError("empty prompt")
         self.model, self.on_layer, self.num_prompt = model, on_layer, n
         self.config = config.for_prompt(n)
         self.cache = LazyCache.empty(model.spec, n, reserve, model.dtype, model.device)
@@ -76,7 +77,8 @@ class PrefillRun:
     @torch.inference_mode()
     def step(self) -> int:
         """Run the next layer; returns the rows it computed."""
-        assert not self.done, "the prefill has finished"
+        if self.done:
+            raise RuntimeError("the prefill has finished")
         model, cache, config, index = self.model, self.cache, self.config, self.layer
         if self.h is None:
             self.h = model.embed_tokens(self.ids.to(model.device))

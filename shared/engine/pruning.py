@@ -43,12 +43,17 @@ class PruneConfig(BaseModel):
     granularity: Literal["token", "block"] = "token"
     block_size: int = Field(16, ge=1, le=MAX_PROTECTED)
     seed: int = Field(0, ge=0, lt=2**64, description="for mode random; an unsigned 64-bit integer")
-    window: int = Field(1, ge=1, le=MAX_WINDOW, description="score with the summed attention of the last `window` queries")
+    window: int = Field(
+        1, ge=1, le=MAX_WINDOW, description="score with the summed attention of the last `window` queries"
+    )
     pool_kernel: int = Field(1, ge=1, le=MAX_POOL_KERNEL, description="odd; pool scores over this many neighbours")
     pool: Literal["max", "avg"] = "max"
     recent_tokens: int = Field(0, ge=0, le=MAX_PROTECTED, description="the last prompt tokens, always kept")
     keep_mass: float | None = Field(
-        None, gt=0.0, le=1.0, description="keep the fewest tokens holding this share of the attention, at most the stage's keep"
+        None,
+        gt=0.0,
+        le=1.0,
+        description="keep the fewest tokens holding this share of the attention, at most the stage's keep",
     )
     min_keep: float = Field(0.0, ge=0.0, le=1.0, description="with keep_mass: keep at least this fraction")
     min_prompt_tokens: int = Field(0, ge=0, le=MAX_PROTECTED, description="prompts shorter than this are not pruned")
@@ -83,7 +88,7 @@ class PruneConfig(BaseModel):
             raise ValueError("keep_mass budgets by attention; mode 'random' has none")
         return self
 
-    def for_prompt(self, num_prompt: int) -> "PruneConfig":
+    def for_prompt(self, num_prompt: int) -> PruneConfig:
         """The configuration as it applies to a prompt of num_prompt tokens: off below min_prompt_tokens."""
         return OFF if self.enabled and num_prompt < self.min_prompt_tokens else self
 
@@ -96,7 +101,7 @@ class PruneConfig(BaseModel):
         """Whether decode steps select again (and so may revive tokens)."""
         return self.mode == "lazy"
 
-    def check_for(self, num_layers: int) -> "PruneConfig":
+    def check_for(self, num_layers: int) -> PruneConfig:
         """Raise if a stage does not fit a model of num_layers layers."""
         for layer, _ in self.stages:
             if layer >= num_layers - 1:
@@ -187,7 +192,9 @@ def pool_scores(config: PruneConfig, scores: torch.Tensor, positions: torch.Tens
     return (summed[0, 0] / summed[1, 0])[positions]
 
 
-def mass_budget(config: PruneConfig, keep: float, order_scores: torch.Tensor, mass: torch.Tensor, num_prompt: int) -> int:
+def mass_budget(
+    config: PruneConfig, keep: float, order_scores: torch.Tensor, mass: torch.Tensor, num_prompt: int
+) -> int:
     """How many candidates, taken best first by order_scores, hold `keep_mass` of the attention
     `mass` (UniPrefill's budget), clipped to [min_keep, keep] of the prompt."""
     order = torch.argsort(order_scores, descending=True, stable=True)
@@ -218,7 +225,8 @@ def select(
     forced = protected(config, positions, num_prompt)
     scores = torch.where(forced, torch.tensor(float("inf"), dtype=scores.dtype, device=scores.device), scores)
     if config.keep_mass is not None:
-        assert mass is not None, "keep_mass needs the attention mass"
+        if mass is None:
+            raise ValueError("keep_mass needs the attention mass")
         budget = mass_budget(config, keep, scores, mass, num_prompt)
     else:
         budget = max(1, math.ceil(keep * num_prompt))

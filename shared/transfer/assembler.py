@@ -7,7 +7,8 @@ order, sorted unique positions inside the prompt, tensors of the model's dtype a
 correct checksum; a (token, layer) arrives at most once and only after the token's earlier
 layers; at the end, every token was computed at layer 0, the last token at every layer, and each
 token that stopped early sits in the Aux Cache of the layer it stopped after (so decode can
-revive it). A stage layer's query window, when sent, must be the model's query shape. Only then is the cache handed to decode.
+revive it). A stage layer's query window, when sent, must be the model's query shape. Only then
+is the cache handed to decode.
 """
 
 from __future__ import annotations
@@ -154,7 +155,13 @@ class TransferAssembler:
         # Room for the generated tokens now, on the receiving thread, not at the first decode steps.
         cache.reserve(params.max_new_tokens)
         return Assembled(
-            cache, list(end.prompt_ids), end.first_token, config, params, end.sampler_state, stats_from_pb(end.prefill_stats)
+            cache,
+            list(end.prompt_ids),
+            end.first_token,
+            config,
+            params,
+            end.sampler_state,
+            stats_from_pb(end.prefill_stats),
         )
 
     def _window(self, cache: LazyCache, frame: pb.KVFrame) -> None:

@@ -18,7 +18,8 @@ from proto.lazyserve.v1 import lazyserve_pb2 as pb
 
 # The dtypes a model here runs in; anything else on the wire is refused.
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-assert sys.byteorder == "little", "the wire format is little-endian"
+if sys.byteorder != "little":
+    raise ImportError("the wire format is little-endian; this host is not")
 
 
 class FrameError(ValueError):
@@ -40,7 +41,6 @@ def fill_tensor(target: pb.Tensor, tensor: torch.Tensor) -> None:
     # numpy's tobytes gathers a strided slice (a token range of a layer's K or V) in C order in one
     # copy; .contiguous() first would copy twice.
     target.data = host.numpy().tobytes()
-
 
 
 def tensor_from_pb(message: pb.Tensor, name: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -77,8 +77,14 @@ def frame_checksum(frame: pb.KVFrame) -> int:
     uses the CPU's CRC instructions: about 4x zlib.crc32's speed, which every byte of KV pays
     twice (sender and receiver) on cores that prefill is computing on."""
     crc = google_crc32c.value(positions_bytes(frame.positions))
-    parts = (frame.k.data, frame.v.data, positions_bytes(frame.aux_positions), frame.aux_hidden.data,
-             positions_bytes(frame.query_positions), frame.queries.data)
+    parts = (
+        frame.k.data,
+        frame.v.data,
+        positions_bytes(frame.aux_positions),
+        frame.aux_hidden.data,
+        positions_bytes(frame.query_positions),
+        frame.queries.data,
+    )
     for part in parts:
         crc = google_crc32c.extend(crc, part)
     return crc

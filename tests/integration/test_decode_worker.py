@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 from conftest import wait_for
-
 from helpers import encode_transfer, random_ids
+
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from services.router.disagg import run_local
 from shared import rpc
@@ -72,7 +72,9 @@ def test_unknown_transfer_is_not_found(tiny_llama, decode_worker):
 
 def test_a_bad_local_request_is_invalid_argument(tiny_llama, decode_worker):
     _, client = decode_worker(tiny_llama)
-    request = pb.GenerateRequest(prompt=pb.LocalPrompt(prompt_ids=[1, 2, 10**7], sampling=pb.SamplingParams(max_new_tokens=2)))
+    request = pb.GenerateRequest(
+        prompt=pb.LocalPrompt(prompt_ids=[1, 2, 10**7], sampling=pb.SamplingParams(max_new_tokens=2))
+    )
     with pytest.raises(grpc.RpcError) as error:
         list(client.generate(request, timeout=10))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -126,8 +128,11 @@ def test_a_stalled_stream_expires_with_its_lease(tiny_llama, decode_worker):
 def test_cancelling_generate_frees_the_sequence(tiny_llama, decode_worker):
     _, client = decode_worker(tiny_llama)
     request = pb.GenerateRequest(
-        prompt=pb.LocalPrompt(prompt_ids=random_ids(tiny_llama, 64), pruning=pb.PruneConfig(mode="off"),
-                              sampling=pb.SamplingParams(max_new_tokens=1900))
+        prompt=pb.LocalPrompt(
+            prompt_ids=random_ids(tiny_llama, 64),
+            pruning=pb.PruneConfig(mode="off"),
+            sampling=pb.SamplingParams(max_new_tokens=1900),
+        )
     )
     call = client.generate(request, timeout=60)
     next(call)

@@ -9,8 +9,8 @@ import grpc
 import pytest
 import ray
 from conftest import start_process, wait_for
-
 from helpers import random_ids, text_ids
+
 from services.prefill.actor import actor_addresses, launch_prefill_actors
 from services.prefill.settings import PrefillSettings
 from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
@@ -40,7 +40,9 @@ def actors(local_ray):
 @pytest.fixture(scope="module")
 def tiny_decode_process():
     """A decode worker started as its own process through the CLI, as deployments run it."""
-    process, address = start_process(["decode-worker", "--model", "tiny-llama", "--port", "0", "--threads", "1"], "decode")
+    process, address = start_process(
+        ["decode-worker", "--model", "tiny-llama", "--port", "0", "--threads", "1"], "decode"
+    )
     yield address
     process.terminate()
     process.wait(timeout=30)
@@ -53,7 +55,9 @@ def _prompt(loaded) -> list[int]:
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 @pytest.mark.parametrize("pruning", ["off", "default"])
 @pytest.mark.parametrize("model", ["tiny-llama", "SmolLM2-135M-Instruct"])
-def test_disaggregated_tokens_equal_in_process(model, pruning, sampling, actors, load, decode_worker, tiny_decode_process):
+def test_disaggregated_tokens_equal_in_process(
+    model, pruning, sampling, actors, load, decode_worker, tiny_decode_process
+):
     loaded = load(model)
     if model == "tiny-llama":
         decode = DecodeClient(tiny_decode_process)
@@ -61,8 +65,10 @@ def test_disaggregated_tokens_equal_in_process(model, pruning, sampling, actors,
         decode = decode_worker(loaded)[1]
     prefill = PrefillClient(actor_addresses([actors[model]])[0])
     # The default preset, also below its minimum prompt length: its query windows travel too.
-    config = OFF if pruning == "off" else preset("default", loaded.engine.spec.num_layers).model_copy(
-        update={"min_prompt_tokens": 0}
+    config = (
+        OFF
+        if pruning == "off"
+        else preset("default", loaded.engine.spec.num_layers).model_copy(update={"min_prompt_tokens": 0})
     )
     params = SAMPLINGS[sampling]
     ids = _prompt(loaded)

@@ -12,8 +12,8 @@ import openai
 import pytest
 import ray
 from conftest import free_port, start_process, wait_for
-
 from helpers import random_ids
+
 from services.prefill.actor import actor_addresses, launch_prefill_actors
 from services.prefill.settings import PrefillSettings
 from services.router.workers import RedisWorkers
@@ -25,15 +25,17 @@ def test_a_decode_worker_killed_mid_stream(tiny_llama, gateway, redis_url, flush
     env = {"LAZYSERVE_REDIS_URL": redis_url, "LAZYSERVE_DECODE_HEARTBEAT_TTL_S": "1.5"}
     workers = {}
     for _ in range(2):
-        process, address = start_process(["decode-worker", "--model", "tiny-llama", "--port", "0", "--threads", "1"],
-                                          "decode", env=env)
+        process, address = start_process(
+            ["decode-worker", "--model", "tiny-llama", "--port", "0", "--threads", "1"], "decode", env=env
+        )
         workers[address] = process
     try:
         assert wait_for(lambda: len(list_workers(connect(redis_url))) == 2)
         running = gateway(redis_url=redis_url)
         client = running.openai()
-        raw = client.completions.with_raw_response.create(model="m", prompt=random_ids(tiny_llama, 30), max_tokens=1900,
-                                                          stream=True)
+        raw = client.completions.with_raw_response.create(
+            model="m", prompt=random_ids(tiny_llama, 30), max_tokens=1900, stream=True
+        )
         victim = raw.headers["x-lazyserve-decode"]
         chunks = iter(raw.parse())
         next(chunks)
@@ -69,8 +71,9 @@ def test_a_killed_prefill_actor_is_restarted_and_no_request_hangs(local_ray, tin
     try:
         decode, _ = decode_worker(tiny_llama)
         [address] = actor_addresses([actor])
-        running = gateway(prefill_workers=[address], decode_workers=[decode.address], local_threshold=100,
-                          request_timeout_s=60)
+        running = gateway(
+            prefill_workers=[address], decode_workers=[decode.address], local_threshold=100, request_timeout_s=60
+        )
         client = running.openai()
         ids = random_ids(tiny_llama, 300)
         first = client.completions.with_raw_response.create(model="m", prompt=ids, max_tokens=3)
@@ -94,8 +97,10 @@ def test_a_killed_prefill_actor_is_restarted_and_no_request_hangs(local_ray, tin
             return reply.headers["x-lazyserve-route"] == "disaggregated"
 
         assert wait_for(disaggregated_again, timeout=30)
-        print(f"\nprefill actor SIGKILLed: answered ({during.headers['x-lazyserve-route']}) in {answered:.2f} s, "
-              f"restarted by Ray within {restarted:.2f} s")
+        print(
+            f"\nprefill actor SIGKILLed: answered ({during.headers['x-lazyserve-route']}) in {answered:.2f} s, "
+            f"restarted by Ray within {restarted:.2f} s"
+        )
     finally:
         ray.kill(actor)
 
@@ -139,7 +144,9 @@ def test_the_gateway_answers_503_while_redis_is_down_and_recovers(tiny_llama, de
 
         back = time.monotonic()
         assert wait_for(served, timeout=15), "the gateway did not recover after Redis came back"
-        print(f"\nRedis down: 503 in {refused:.2f} s; serving again {time.monotonic() - back:.2f} s after Redis restarted")
+        print(
+            f"\nRedis down: 503 in {refused:.2f} s; serving again {time.monotonic() - back:.2f} s after Redis restarted"
+        )
     finally:
         if heartbeat is not None:
             heartbeat.stop()

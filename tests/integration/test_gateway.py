@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 from conftest import wait_for
-
 from helpers import random_ids
+
 from services.router.disagg import DecodeClient
 from shared.llm import LLM
 from shared.serving import CHAT_URL, COMPLETIONS_URL, choice_text, respond
@@ -33,7 +33,9 @@ def _in_process(tiny_llama, url, body):
 
 def test_chat_completion_matches_the_engine(stack, tiny_llama):
     running, _ = stack
-    reply = running.openai().chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=12, temperature=0)
+    reply = running.openai().chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=12, temperature=0
+    )
     expected = _in_process(tiny_llama, CHAT_URL, {"messages": MESSAGES, "max_tokens": 12, "temperature": 0})
     assert reply.choices[0].message.content == choice_text(expected)
     assert reply.choices[0].finish_reason == expected["choices"][0]["finish_reason"]
@@ -82,7 +84,9 @@ def test_sse_wire_format_ends_with_done(stack):
 def test_short_prompts_stay_local_and_long_ones_are_disaggregated(stack, tiny_llama):
     running, decode = stack
     client = running.openai()
-    short = client.completions.with_raw_response.create(model="tiny-llama", prompt=random_ids(tiny_llama, 50), max_tokens=4)
+    short = client.completions.with_raw_response.create(
+        model="tiny-llama", prompt=random_ids(tiny_llama, 50), max_tokens=4
+    )
     long_ids = random_ids(tiny_llama, LONG_PROMPT_TOKENS)
     long = client.completions.with_raw_response.create(model="tiny-llama", prompt=long_ids, max_tokens=4, temperature=0)
     assert short.headers["x-lazyserve-route"] == "local"
@@ -205,7 +209,9 @@ def test_a_failed_prefill_is_retried_on_another_worker(tiny_llama, decode_worker
 def test_a_failure_after_tokens_is_an_error_event(tiny_llama, decode_worker, gateway):
     decode, _ = decode_worker(tiny_llama)
     running = gateway(decode_workers=[decode.address])
-    stream = running.openai().completions.create(model="m", prompt=random_ids(tiny_llama, 20), max_tokens=1900, stream=True)
+    stream = running.openai().completions.create(
+        model="m", prompt=random_ids(tiny_llama, 20), max_tokens=1900, stream=True
+    )
     chunks = iter(stream)
     next(chunks)
     threading.Thread(target=decode.stop, kwargs={"grace": 0}).start()  # the worker dies mid-stream

@@ -36,12 +36,14 @@ def _workload(count: int, seed: int) -> list[dict]:
     bodies = []
     for index in range(count):
         length = int(rng.choice([rng.uniform(10, 200), rng.uniform(200, 1500)]))
-        bodies.append({
-            "prompt": [rng.randrange(3, 49152) for _ in range(length)],
-            "max_tokens": rng.randint(1, 48),
-            "temperature": 0,
-            "stream": index % 2 == 0,
-        })
+        bodies.append(
+            {
+                "prompt": [rng.randrange(3, 49152) for _ in range(length)],
+                "max_tokens": rng.randint(1, 48),
+                "temperature": 0,
+                "stream": index % 2 == 0,
+            }
+        )
     return bodies
 
 
@@ -98,8 +100,11 @@ def test_300_requests_end_cleanly_and_leave_nothing_behind(local_ray, gateway):
     ]
     try:
         running = gateway(
-            prefill_workers=actor_addresses(actors), decode_workers=[address for _, address in decoders],
-            local_threshold=256, max_in_flight=64, request_timeout_s=DEADLINE_S,
+            prefill_workers=actor_addresses(actors),
+            decode_workers=[address for _, address in decoders],
+            local_threshold=256,
+            max_in_flight=64,
+            request_timeout_s=DEADLINE_S,
         )
         warm = asyncio.run(_replay(running.url, _workload(48, seed=1)))
         assert all(o["ok"] for o in warm), [o["error"] for o in warm if not o["ok"]][:3]
@@ -115,13 +120,20 @@ def test_300_requests_end_cleanly_and_leave_nothing_behind(local_ray, gateway):
         assert routes["local"] > 0 and routes["disaggregated"] > 0
         for _, address in decoders:
             status = DecodeClient(address).status()
-            assert (status.transfers_receiving, status.transfers_ready, status.sequences_active, status.bytes_held) == (0, 0, 0, 0)
+            assert (status.transfers_receiving, status.transfers_ready, status.sequences_active, status.bytes_held) == (
+                0,
+                0,
+                0,
+                0,
+            )
         after = {pid: _rss_mib(pid) for pid in baseline}
         growth = {pid: after[pid] / baseline[pid] - 1 for pid in baseline}
-        print(f"\n{REQUESTS} requests in {wall:.1f} s, routes {routes}, "
-              f"p50 {sorted(o['seconds'] for o in outcomes)[REQUESTS // 2]:.2f} s, "
-              f"max {max(o['seconds'] for o in outcomes):.2f} s, decode RSS MiB before/after "
-              f"{[round(baseline[p]) for p in baseline]} / {[round(after[p]) for p in baseline]}")
+        print(
+            f"\n{REQUESTS} requests in {wall:.1f} s, routes {routes}, "
+            f"p50 {sorted(o['seconds'] for o in outcomes)[REQUESTS // 2]:.2f} s, "
+            f"max {max(o['seconds'] for o in outcomes):.2f} s, decode RSS MiB before/after "
+            f"{[round(baseline[p]) for p in baseline]} / {[round(after[p]) for p in baseline]}"
+        )
         assert all(g <= 0.10 for g in growth.values()), f"decode worker memory grew {growth}"
     finally:
         for process, _ in decoders:

@@ -10,8 +10,8 @@ import sys
 
 import grpc
 import pytest
-
 from helpers import encode_transfer, random_ids
+
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
@@ -50,8 +50,12 @@ def test_a_worker_with_mutual_tls_refuses_peers_without_our_certificate(tiny_lla
         worker.address,
         grpc.ssl_channel_credentials(ours["ca"].read_bytes(), theirs["key"].read_bytes(), theirs["cert"].read_bytes()),
     )
-    for name, channel in [("plaintext", plaintext), ("no client certificate", no_client_cert),
-                          ("the other CA", other_ca.channel(worker.address)), ("a foreign client certificate", foreign_client)]:
+    for name, channel in [
+        ("plaintext", plaintext),
+        ("no client certificate", no_client_cert),
+        ("the other CA", other_ca.channel(worker.address)),
+        ("a foreign client certificate", foreign_client),
+    ]:
         assert status_code(channel) == grpc.StatusCode.UNAVAILABLE, name
     assert not rpc.check_health(worker.address)  # even probes need a certificate
 
@@ -63,8 +67,9 @@ def test_a_worker_with_mutual_tls_refuses_peers_without_our_certificate(tiny_lla
     trusted.close()
 
 
-def test_the_whole_path_over_mutual_tls_with_a_fixed_server_name(tiny_llama, decode_worker, prefill_worker, gateway,
-                                                                  tmp_path):
+def test_the_whole_path_over_mutual_tls_with_a_fixed_server_name(
+    tiny_llama, decode_worker, prefill_worker, gateway, tmp_path
+):
     # The certificate names no address at all, as for Ray-placed actors: clients check the fixed name.
     paths = make_dev_certs(tmp_path, [INTERNAL_NAME])
     tls = _tls_settings(paths, tls_server_name=INTERNAL_NAME, internal_token="and-a-token")
@@ -79,7 +84,9 @@ def test_the_whole_path_over_mutual_tls_with_a_fixed_server_name(tiny_llama, dec
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE  # 127.0.0.1 is not in the certificate
 
     auth = InternalAuthSettings(**tls).internal_auth()
-    result = run_disaggregated(PrefillClient(prefill.address, auth), DecodeClient(decode.address, auth), ids, OFF, params)
+    result = run_disaggregated(
+        PrefillClient(prefill.address, auth), DecodeClient(decode.address, auth), ids, OFF, params
+    )
     assert result.tokens == generate(tiny_llama.engine, ids, OFF, params).tokens
     running = gateway(prefill_workers=[prefill.address], decode_workers=[decode.address], local_threshold=100, **tls)
     reply = running.openai().completions.with_raw_response.create(model="m", prompt=ids, max_tokens=3)
@@ -94,18 +101,25 @@ def test_half_a_tls_configuration_is_refused_with_what_is_missing(tmp_path):
 
 
 def test_lazyserve_certs_and_health_from_the_command_line(tiny_llama, decode_worker, tmp_path):
-    out = subprocess.run([LAZYSERVE, "certs", "--out", str(tmp_path), "--host", "127.0.0.1"], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [LAZYSERVE, "certs", "--out", str(tmp_path), "--host", "127.0.0.1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     env = dict(part.split("=", 1) for part in out.split()[1:])  # "export A=... B=... C=..."
     assert set(env) == {"LAZYSERVE_TLS_CA", "LAZYSERVE_TLS_CERT", "LAZYSERVE_TLS_KEY"}
     assert oct(os.stat(env["LAZYSERVE_TLS_KEY"]).st_mode & 0o777) == "0o600"
-    worker, _ = decode_worker(tiny_llama, tls_ca=env["LAZYSERVE_TLS_CA"], tls_cert=env["LAZYSERVE_TLS_CERT"],
-                              tls_key=env["LAZYSERVE_TLS_KEY"])
+    worker, _ = decode_worker(
+        tiny_llama, tls_ca=env["LAZYSERVE_TLS_CA"], tls_cert=env["LAZYSERVE_TLS_CERT"], tls_key=env["LAZYSERVE_TLS_KEY"]
+    )
     plain_env = {k: v for k, v in os.environ.items() if not k.startswith("LAZYSERVE_TLS_")}
 
     def probe(extra: dict) -> int:
-        return subprocess.run([LAZYSERVE, "health", worker.address], env={**plain_env, **extra}, capture_output=True,
-                              timeout=60).returncode
+        return subprocess.run(
+            [LAZYSERVE, "health", worker.address], env={**plain_env, **extra}, capture_output=True, timeout=60
+        ).returncode
 
     assert probe(env) == 0
     assert probe({}) == 1  # without the certificate the probe cannot connect either

@@ -14,14 +14,18 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from services.router.gateway import create_app
 from services.router.settings import GatewaySettings
 
-OPERATIONS = [("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/models", "GET"),
-              ("/health", "GET"), ("/ready", "GET")]
+OPERATIONS = [
+    ("/v1/chat/completions", "POST"),
+    ("/v1/completions", "POST"),
+    ("/v1/models", "GET"),
+    ("/health", "GET"),
+    ("/ready", "GET"),
+]
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 MAX_NEW_TOKENS = 8
 READ_TIMEOUT_S = 60  # schemathesis' default is 10 s; a loaded CI machine can be that slow on 8 tokens
@@ -42,8 +46,13 @@ def test_no_server_errors_and_responses_match_the_schema(api, path, method):
 
     # No shrinking: each example is an HTTP request that may decode, and shrinking one failure
     # took more than five minutes in CI. The failing example is still reported as drawn.
-    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None,
-              phases=[Phase.explicit, Phase.generate])
+    @settings(
+        max_examples=25,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+    )
     @given(data=st.data())
     def run(data):
         case = data.draw(operation.as_strategy())

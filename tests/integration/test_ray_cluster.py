@@ -30,7 +30,10 @@ def ray_cluster():
     def ray_start(*args):
         process = subprocess.Popen(
             [RAY, "start", *args, "--disable-usage-stats"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         sessions.add(process.pid)
         assert process.wait(timeout=120) == 0, f"ray start {args} failed"
@@ -64,19 +67,49 @@ def test_a_driver_without_the_clusters_token_is_refused(ray_cluster):
 def test_chat_completion_through_a_two_node_ray_cluster(ray_cluster, redis_url, flush_redis):
     address, ray_env, sessions = ray_cluster
     redis_env = {"LAZYSERVE_REDIS_URL": redis_url}
-    decode, _ = start_process(["decode-worker", "--model", "tiny-llama", "--port", "0", "--threads", "1"], "decode",
-                              env=redis_env, session=True)
+    decode, _ = start_process(
+        ["decode-worker", "--model", "tiny-llama", "--port", "0", "--threads", "1"],
+        "decode",
+        env=redis_env,
+        session=True,
+    )
     sessions.add(decode.pid)
     prefill, prefill_address = start_process(
-        ["prefill-worker", "--ray-address", address, "--prefill-resource", "1", "--model", "tiny-llama", "--threads", "1"],
-        "prefill", env={**ray_env, **redis_env}, timeout=180, session=True,
+        [
+            "prefill-worker",
+            "--ray-address",
+            address,
+            "--prefill-resource",
+            "1",
+            "--model",
+            "tiny-llama",
+            "--threads",
+            "1",
+        ],
+        "prefill",
+        env={**ray_env, **redis_env},
+        timeout=180,
+        session=True,
     )
     sessions.add(prefill.pid)
     port = free_port()
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "gateway", "--model", "tiny-llama", "--port", str(port),
-         "--local-threshold", "100"],
-        env={**os.environ, **redis_env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "gateway",
+            "--model",
+            "tiny-llama",
+            "--port",
+            str(port),
+            "--local-threshold",
+            "100",
+        ],
+        env={**os.environ, **redis_env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     sessions.add(gateway.pid)
     url = f"http://127.0.0.1:{port}"

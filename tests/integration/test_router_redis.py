@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from conftest import start_process, wait_for
-
 from helpers import random_ids
+
 from services.router.auth import API_KEYS, add_key, hash_key
 from services.router.workers import DECODE_TOKENS, STREAMS, RedisWorkers
 from shared.registry import Heartbeat, WorkerInfo, connect, list_workers
@@ -56,7 +56,9 @@ def test_router_replicas_share_load(tiny_llama, decode_worker, gateway, register
     replica_b = gateway(redis_url=redis_url)
     ids = random_ids(tiny_llama, 30)
     # A long generation through replica A occupies one decode worker...
-    stream = replica_a.openai().completions.with_raw_response.create(model="m", prompt=ids, max_tokens=1500, stream=True)
+    stream = replica_a.openai().completions.with_raw_response.create(
+        model="m", prompt=ids, max_tokens=1500, stream=True
+    )
     busy = stream.headers["x-lazyserve-decode"]
     chunks = iter(stream.parse())
     next(chunks)
@@ -108,13 +110,16 @@ def test_a_dead_routers_load_expires_and_a_live_ones_stays(redis_url, flush_redi
     reader.close()
 
 
-def test_a_keys_stream_limit_holds_across_gateway_replicas(tiny_llama, decode_worker, gateway, registered, redis_url,
-                                                           flush_redis):
+def test_a_keys_stream_limit_holds_across_gateway_replicas(
+    tiny_llama, decode_worker, gateway, registered, redis_url, flush_redis
+):
     worker, _ = decode_worker(tiny_llama)
     registered(worker.address)
     replica_a = gateway(redis_url=redis_url, api_keys="key-a,key-b", max_streams_per_key=1)
     replica_b = gateway(redis_url=redis_url, api_keys="key-a,key-b", max_streams_per_key=1)
-    stream = replica_a.openai(api_key="key-a").completions.create(model="m", prompt=[1, 2, 3], max_tokens=1500, stream=True)
+    stream = replica_a.openai(api_key="key-a").completions.create(
+        model="m", prompt=[1, 2, 3], max_tokens=1500, stream=True
+    )
     next(iter(stream))
     # Key A's one slot is taken on replica A: replica B refuses it too, and serves key B.
     with pytest.raises(openai.RateLimitError) as error:
@@ -126,8 +131,9 @@ def test_a_keys_stream_limit_holds_across_gateway_replicas(tiny_llama, decode_wo
     assert {field for share in shares for field in share} == {hash_key("key-a")}
     stream.close()
     assert wait_for(lambda: _served(replica_b, "key-a"), timeout=10), "key A's slot was not released"
-    assert wait_for(lambda: not any(flush_redis.hgetall(k) for k in flush_redis.scan_iter("lazyserve:load:streams:*")),
-                    timeout=10)
+    assert wait_for(
+        lambda: not any(flush_redis.hgetall(k) for k in flush_redis.scan_iter("lazyserve:load:streams:*")), timeout=10
+    )
 
 
 def _served(running, key: str) -> bool:

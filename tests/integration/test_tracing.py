@@ -18,14 +18,13 @@ import grpc
 import httpx
 import pytest
 from conftest import free_port, session_members, wait_for
+from helpers import random_ids
 from opentelemetry import trace
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.propagate import inject
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-from helpers import random_ids
 
 _exporter = InMemorySpanExporter()
 
@@ -63,7 +62,9 @@ def test_one_trace_links_every_hop(spans, tiny_llama, decode_worker, prefill_wor
     assert reply.status_code == 200
     wanted = {"text_completion tiny-llama", "route", "prefill", "kv_transfer", "kv_receive", "decode"}
     # The decode worker ends its span just after the last message went out: wait for it.
-    assert wait_for(lambda: any(s.name == "decode" and s.kind == trace.SpanKind.SERVER for s in spans.get_finished_spans()))
+    assert wait_for(
+        lambda: any(s.name == "decode" and s.kind == trace.SpanKind.SERVER for s in spans.get_finished_spans())
+    )
     trace_id = root.get_span_context().trace_id
     mine = [s for s in spans.get_finished_spans() if s.context.trace_id == trace_id]
     by_id = {s.context.span_id: s for s in mine}
@@ -140,12 +141,32 @@ def test_lazyserve_up_serves_traces_every_process_and_leaves_nothing(spans, rece
     # spans: the SDK provider, so that the client root span below is real and has a trace id.
     servicer, endpoint = receiver
     port = free_port()
-    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_EXPORTER": "otlp",
-           "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    env = {
+        **os.environ,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", "tiny-llama", "--port", str(port), "--threads", "1",
-         "--local-threshold", "100"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--model",
+            "tiny-llama",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--local-threshold",
+            "100",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
     )
     try:
         deadline = time.monotonic() + 180
@@ -162,7 +183,9 @@ def test_lazyserve_up_serves_traces_every_process_and_leaves_nothing(spans, rece
         root = trace.get_tracer("test").start_span("client")
         long_prompt = " ".join(["tell me about the rainbow"] * 40)
         reply = client.chat.completions.with_raw_response.create(
-            model="tiny-llama", messages=[{"role": "user", "content": long_prompt}], max_tokens=4,
+            model="tiny-llama",
+            messages=[{"role": "user", "content": long_prompt}],
+            max_tokens=4,
             extra_headers=_traceparent(root),
         )
         root.end()
@@ -171,10 +194,16 @@ def test_lazyserve_up_serves_traces_every_process_and_leaves_nothing(spans, rece
         trace_id = root.get_span_context().trace_id.to_bytes(16, "big")
         services = {"lazyserve-gateway", "lazyserve-prefill", "lazyserve-decode"}
 
-        expected = {("lazyserve-gateway", "chat tiny-llama"), ("lazyserve-gateway", "route"),
-                    ("lazyserve-gateway", "prefill"), ("lazyserve-gateway", "decode"),
-                    ("lazyserve-prefill", "prefill"), ("lazyserve-prefill", "kv_transfer"),
-                    ("lazyserve-decode", "kv_receive"), ("lazyserve-decode", "decode")}
+        expected = {
+            ("lazyserve-gateway", "chat tiny-llama"),
+            ("lazyserve-gateway", "route"),
+            ("lazyserve-gateway", "prefill"),
+            ("lazyserve-gateway", "decode"),
+            ("lazyserve-prefill", "prefill"),
+            ("lazyserve-prefill", "kv_transfer"),
+            ("lazyserve-decode", "kv_receive"),
+            ("lazyserve-decode", "decode"),
+        }
 
         def mine():
             with servicer.lock:

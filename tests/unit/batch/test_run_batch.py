@@ -111,7 +111,19 @@ def test_cli_end_to_end(tmp_path):
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text(_chat("x") + "\n{broken\n")
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "run-batch", "-i", source, "-o", target, "--model", "tiny-llama", "--quiet"],
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "run-batch",
+            "-i",
+            source,
+            "-o",
+            target,
+            "--model",
+            "tiny-llama",
+            "--quiet",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -14,7 +14,9 @@ def tokenizer(smollm2):
 @pytest.mark.parametrize("task", TASKS)
 def test_same_seed_same_case(tokenizer, task):
     assert make_case(tokenizer, task, 1024, 0.5, seed=3) == make_case(tokenizer, task, 1024, 0.5, seed=3)
-    assert make_case(tokenizer, task, 1024, 0.5, seed=3).content != make_case(tokenizer, task, 1024, 0.5, seed=5).content
+    assert (
+        make_case(tokenizer, task, 1024, 0.5, seed=3).content != make_case(tokenizer, task, 1024, 0.5, seed=5).content
+    )
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -72,15 +74,30 @@ def test_summary_pairs_cases_and_counts_only_solved_ones_as_retained():
     from bench.evalsuite.harness import summarize, table
 
     def record(task, config, score, ref_score, ttft, full=4.0, top1=1.0):
-        return {"target_tokens": 1024, "task": task, "config": config, "score": score, "ref_score": ref_score,
-                "ttft_s": ttft, "ttft_full_s": full, "computed_fraction": 0.5, "first_top1": top1, "first_kl": 0.0,
-                "teacher_top1": top1, "teacher_kl": 0.0, "prefix_match": top1, "revived_token_layers": 0,
-                "seconds": ttft}
+        return {
+            "target_tokens": 1024,
+            "task": task,
+            "config": config,
+            "score": score,
+            "ref_score": ref_score,
+            "ttft_s": ttft,
+            "ttft_full_s": full,
+            "computed_fraction": 0.5,
+            "first_top1": top1,
+            "first_kl": 0.0,
+            "teacher_top1": top1,
+            "teacher_kl": 0.0,
+            "prefix_match": top1,
+            "revived_token_layers": 0,
+            "seconds": ttft,
+        }
 
     records = [
-        record("passkey", "off", 1.0, 1.0, 4.0), record("passkey", "off", 0.0, 0.0, 4.0),
+        record("passkey", "off", 1.0, 1.0, 4.0),
+        record("passkey", "off", 0.0, 0.0, 4.0),
         record("code", "off", 0.5, 0.5, 4.0),
-        record("passkey", "lazy", 0.0, 1.0, 1.0, top1=0.0), record("passkey", "lazy", 1.0, 0.0, 2.0),
+        record("passkey", "lazy", 0.0, 1.0, 1.0, top1=0.0),
+        record("passkey", "lazy", 1.0, 0.0, 2.0),
         record("code", "lazy", 0.25, 0.5, 2.0),
     ]
     rows = {row["config"]: row for row in summarize(records)}

@@ -54,11 +54,14 @@ def test_the_unpruned_run_agrees_with_its_reference(tiny_llama):
     assert got.computed_fraction == 1.0
 
 
-@pytest.mark.parametrize("config", [
-    PruneConfig(stages=((0, 0.1), (2, 0.05))),
-    PruneConfig(stages=((1, 0.2),), window=8, pool_kernel=3, recent_tokens=4),
-    PruneConfig(mode="static", stages=((0, 0.1),)),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        PruneConfig(stages=((0, 0.1), (2, 0.05))),
+        PruneConfig(stages=((1, 0.2),), window=8, pool_kernel=3, recent_tokens=4),
+        PruneConfig(mode="static", stages=((0, 0.1),)),
+    ],
+)
 def test_the_pruned_answer_equals_plain_pruned_generation(tiny_llama, config):
     """The answer built from the reference's prefix and a forked cache is what a client would get."""
     model, ids = tiny_llama.engine, _ids(tiny_llama)

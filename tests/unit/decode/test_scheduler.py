@@ -64,7 +64,13 @@ def test_batched_sequences_give_what_each_gives_alone(tiny_llama, scheduler):
         ("local-off", 20, OFF, SamplingParams(max_new_tokens=15), _local),
         ("local-lazy-seeded", 300, LAZY, SamplingParams(max_new_tokens=12, temperature=0.8, seed=4), _local),
         ("resumed-lazy", 700, LAZY, SamplingParams(max_new_tokens=18), _resumed),
-        ("resumed-static-seeded", 200, LAZY.model_copy(update={"mode": "static"}), SamplingParams(max_new_tokens=10, temperature=1.0, seed=9), _resumed),
+        (
+            "resumed-static-seeded",
+            200,
+            LAZY.model_copy(update={"mode": "static"}),
+            SamplingParams(max_new_tokens=10, temperature=1.0, seed=9),
+            _resumed,
+        ),
     ]
     sequences, readers = [], []
     for seed, (name, n, config, params, make) in enumerate(cases):
@@ -153,7 +159,9 @@ def test_the_batch_size_caps_a_step_and_everyone_gets_turns(tiny_llama):
     model = tiny_llama.engine
     scheduler = Scheduler(model, max_sequences=6, max_batch_size=2, max_batch_tokens=64)
     try:
-        sequences = [_local(model, f"s{i}", _ids(model, 10 + i, i), OFF, SamplingParams(max_new_tokens=8)) for i in range(5)]
+        sequences = [
+            _local(model, f"s{i}", _ids(model, 10 + i, i), OFF, SamplingParams(max_new_tokens=8)) for i in range(5)
+        ]
         readers = [Reader(s) for s in sequences]
         for sequence in sequences:
             scheduler.submit(sequence)

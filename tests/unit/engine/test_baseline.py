@@ -12,15 +12,20 @@ STEPS = 64
 def _prompt(loaded, n: int = 48) -> torch.Tensor:
     if loaded.tokenizer is not None:
         text = "Explain in detail how a Python dictionary stores its keys, and why lookups are fast."
-        ids = loaded.tokenizer(loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        ), add_special_tokens=False).input_ids
+        ids = loaded.tokenizer(
+            loaded.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        ).input_ids
         return torch.tensor(ids)
     return torch.randint(3, loaded.engine.spec.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("name", ALL_MODELS)
-@pytest.mark.parametrize("config", [OFF, PruneConfig(mode="lazy", stages=((1, 1.0), (3, 1.0)))], ids=["off", "keep-all"])
+@pytest.mark.parametrize(
+    "config", [OFF, PruneConfig(mode="lazy", stages=((1, 1.0), (3, 1.0)))], ids=["off", "keep-all"]
+)
 def test_logits_match_transformers_at_every_step(load, name, config):
     loaded = load(name)
     model, hf = loaded.engine, loaded.engine.hf
@@ -48,7 +53,7 @@ def test_greedy_tokens_equal_generate(load, name):
     ids = _prompt(loaded)
     eos = loaded.stop_token_ids
     with torch.inference_mode():
-        expected = model.hf.generate(ids[None], max_new_tokens=STEPS, do_sample=False)[0, ids.shape[0]:].tolist()
+        expected = model.hf.generate(ids[None], max_new_tokens=STEPS, do_sample=False)[0, ids.shape[0] :].tolist()
     expected = [t for t in expected if t not in eos]  # ours leaves the stop token out
     ours = generate(model, ids, OFF, SamplingParams(max_new_tokens=STEPS, stop_token_ids=eos))
     assert ours.tokens == expected[: len(ours.tokens)]

@@ -46,9 +46,25 @@ CASES = [
         LAZY.model_copy(update={"window": 8, "pool_kernel": 5, "recent_tokens": 16, "sink_tokens": 4}),
         SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=7),
     ),
-    Case("static-300-seeded", 300, PruneConfig(mode="static", stages=LAZY.stages), SamplingParams(max_new_tokens=9, temperature=1.0, seed=3)),
-    Case("random-250-greedy", 250, PruneConfig(mode="random", stages=LAZY.stages, seed=11), SamplingParams(max_new_tokens=14)),
-    Case("block-500-joins", 500, LAZY.model_copy(update={"granularity": "block", "block_size": 8}), SamplingParams(max_new_tokens=10), join_at=5),
+    Case(
+        "static-300-seeded",
+        300,
+        PruneConfig(mode="static", stages=LAZY.stages),
+        SamplingParams(max_new_tokens=9, temperature=1.0, seed=3),
+    ),
+    Case(
+        "random-250-greedy",
+        250,
+        PruneConfig(mode="random", stages=LAZY.stages, seed=11),
+        SamplingParams(max_new_tokens=14),
+    ),
+    Case(
+        "block-500-joins",
+        500,
+        LAZY.model_copy(update={"granularity": "block", "block_size": 8}),
+        SamplingParams(max_new_tokens=10),
+        join_at=5,
+    ),
     Case("lazy-600-cancelled", 600, LAZY, SamplingParams(max_new_tokens=30, temperature=0.7, seed=5), cancel_after=6),
 ]
 
@@ -150,11 +166,13 @@ def test_batched_logits_match_each_sequence_alone(tiny_llama):
 def test_a_cache_twice_in_one_batch_is_refused(tiny_llama):
     model = tiny_llama.engine
     cache, logits = prefill(model, _ids(model, CASES[0]), OFF, reserve=4)
-    with pytest.raises(AssertionError, match="twice"):
+    with pytest.raises(ValueError, match="twice"):
         decode_batch(model, [(cache, 5, OFF), (cache, 6, OFF)])
 
 
-@pytest.mark.parametrize("config", [OFF, LAZY, LAZY.model_copy(update={"window": 8})], ids=["off", "lazy", "lazy-window"])
+@pytest.mark.parametrize(
+    "config", [OFF, LAZY, LAZY.model_copy(update={"window": 8})], ids=["off", "lazy", "lazy-window"]
+)
 def test_a_prefill_stepped_between_decode_steps_equals_one_in_one_go(tiny_llama, config):
     model = tiny_llama.engine
     ids = _ids(model, CASES[4])

@@ -105,7 +105,9 @@ def test_a_mass_budget_keeps_the_stated_mass():
     # Clipped to [min_keep, keep] of the prompt.
     capped = select(config.model_copy(update={"keep_mass": 0.999}), 0.1, mass, positions, 400, mass=mass)
     assert int(capped.sum()) == 40
-    floored = select(config.model_copy(update={"keep_mass": 0.01, "min_keep": 0.2}), 1.0, mass, positions, 400, mass=mass)
+    floored = select(
+        config.model_copy(update={"keep_mass": 0.01, "min_keep": 0.2}), 1.0, mass, positions, 400, mass=mass
+    )
     assert int(floored.sum()) == 80
 
 
@@ -123,7 +125,7 @@ def test_decode_reselects_with_the_query_window(tiny_llama):
     cache, logits = prefill(model, _ids(tiny_llama), config)
     assert sorted(cache.windows) == [1, 3]
     assert cache.windows[1].positions.tolist() == list(range(N - w, N))
-    for step in range(4):
+    for _ in range(4):
         logits = decode_step(model, cache, int(logits.argmax()), config)
     # The window slides: the generated tokens' queries joined it, the oldest prompt ones left.
     assert cache.windows[3].positions.tolist() == list(range(N - 2, N + 4))

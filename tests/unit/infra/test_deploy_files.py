@@ -55,7 +55,9 @@ def _compose():
 
 def test_compose_services_and_healthchecks():
     services = _compose()["services"]
-    assert {"redis", "ray-head", "prefill-node", "prefill", "decode", "gateway", "otel-collector", "jaeger"} <= set(services)
+    assert {"redis", "ray-head", "prefill-node", "prefill", "decode", "gateway", "otel-collector", "jaeger"} <= set(
+        services
+    )
     for name in ("redis", "ray-head", "decode", "gateway"):
         assert "healthcheck" in services[name], name
 
@@ -118,7 +120,9 @@ def _containers(document):
 
 
 def test_kubernetes_manifests():
-    documents = [d for path in sorted((ROOT / "infra/k8s").glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
+    documents = [
+        d for path in sorted((ROOT / "infra/k8s").glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d
+    ]
     kinds = {d["kind"] for d in documents}
     assert {"RayCluster", "Deployment", "Service", "ConfigMap"} <= kinds
     [cluster] = [d for d in documents if d["kind"] == "RayCluster"]
@@ -140,7 +144,11 @@ def test_ray_cluster_launcher_config():
     config = yaml.safe_load((ROOT / "infra/ray/cluster.yaml").read_text())
     assert config["provider"]["type"] == "local"
     assert any('"prefill": 1' in command for command in config["worker_start_ray_commands"])
-    assert all("RAY_AUTH_MODE=token" in c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c)
+    assert all(
+        "RAY_AUTH_MODE=token" in c
+        for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+        if "ray start" in c
+    )
 
 
 def test_an_unknown_variable_would_be_caught():

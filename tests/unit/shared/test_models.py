@@ -4,10 +4,9 @@ import json
 
 import pytest
 import torch
-
-from shared.engine import UnsupportedModelError
 from transformers import AutoTokenizer
 
+from shared.engine import UnsupportedModelError
 from shared.models import ModelNotFoundError, build_tiny, default_model_folder, load_model
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assemble, encode_transfer, random_ids
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
-from helpers import assemble, encode_transfer, random_ids
 from shared.engine import PruneConfig, SamplingParams
 from shared.transfer import FrameError
 from shared.transfer.tensors import frame_checksum
@@ -16,7 +16,10 @@ CONFIG = PruneConfig(stages=((1, 0.5), (3, 0.25)))
 N = 96
 
 
-def _encode(loaded, config=CONFIG, budget=1 << 20, params=SamplingParams(max_new_tokens=4)):
+FOUR_TOKENS = SamplingParams(max_new_tokens=4)
+
+
+def _encode(loaded, config=CONFIG, budget=1 << 20, params=FOUR_TOKENS):
     return encode_transfer(loaded, random_ids(loaded, N), config, params, budget=budget)
 
 
@@ -40,8 +43,15 @@ def test_assembled_cache_equals_the_senders(tiny_llama, budget):
 # The selection options travel in the pruning config, and a lazy schedule's query windows in the
 # stage layers' frames: decode on the receiving side re-selects exactly as in one process.
 WINDOWED = PruneConfig(
-    stages=((1, 0.5), (3, 0.25)), window=8, pool_kernel=5, pool="avg", recent_tokens=6, sink_tokens=2,
-    keep_mass=0.9, min_keep=0.1, min_prompt_tokens=10,
+    stages=((1, 0.5), (3, 0.25)),
+    window=8,
+    pool_kernel=5,
+    pool="avg",
+    recent_tokens=6,
+    sink_tokens=2,
+    keep_mass=0.9,
+    min_keep=0.1,
+    min_prompt_tokens=10,
 )
 
 
@@ -218,7 +228,17 @@ def test_a_model_that_does_not_match_is_refused(tiny_llama, smollm2):
         (lambda end: setattr(end.sampling, "temperature", float("nan")), "temperature"),
         (lambda end: setattr(end, "sampler_state", b"x" * 10), "sampler_state"),
     ],
-    ids=["prompt id", "prompt length", "first token", "stage layer", "mode", "top_p", "max_new_tokens", "nan", "sampler"],
+    ids=[
+        "prompt id",
+        "prompt length",
+        "first token",
+        "stage layer",
+        "mode",
+        "top_p",
+        "max_new_tokens",
+        "nan",
+        "sampler",
+    ],
 )
 def test_bad_end_is_refused(tiny_llama, edit, reason):
     _, messages = _encode(tiny_llama)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 from google.protobuf.message import DecodeError
+from helpers import assemble, encode_transfer, random_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import assemble, encode_transfer, random_ids
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from shared.engine import PruneConfig, SamplingParams
 from shared.transfer import FrameError
@@ -23,7 +23,9 @@ def _transfer(loaded) -> list[bytes]:
     """A valid transfer's messages on the wire (made once; not a fixture, so that hypothesis does
     not print 150 kB of it with every example)."""
     if not _encoded:
-        _, messages = encode_transfer(loaded, random_ids(loaded, 48), CONFIG, SamplingParams(max_new_tokens=4), budget=2048)
+        _, messages = encode_transfer(
+            loaded, random_ids(loaded, 48), CONFIG, SamplingParams(max_new_tokens=4), budget=2048
+        )
         _encoded.extend(m.SerializeToString() for m in messages)
     return list(_encoded)
 
@@ -103,8 +105,17 @@ def test_arbitrary_frames_are_refused_cleanly(tiny_llama, layer, positions, shap
     header = pb.TransferMessage.FromString(_transfer(tiny_llama)[0])
     tensor = pb.Tensor(dtype=dtype, shape=shape, data=data)
     frame = pb.KVFrame(
-        transfer_id="t1", layer=layer, positions=positions, k=tensor, v=tensor,
-        aux_positions=positions, aux_hidden=tensor, crc32c=crc,
+        transfer_id="t1",
+        layer=layer,
+        positions=positions,
+        k=tensor,
+        v=tensor,
+        aux_positions=positions,
+        aux_hidden=tensor,
+        crc32c=crc,
     )
     with pytest.raises(FrameError):
-        assemble(tiny_llama, [header, pb.TransferMessage(frame=frame), pb.TransferMessage(end=pb.TransferEnd(transfer_id="t1"))])
+        assemble(
+            tiny_llama,
+            [header, pb.TransferMessage(frame=frame), pb.TransferMessage(end=pb.TransferEnd(transfer_id="t1"))],
+        )
