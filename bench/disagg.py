@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     from services.prefill.actor import actor_addresses, ensure_ray, launch_prefill_actors
     from services.prefill.settings import PrefillSettings
     from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
+    from shared.contract import default_pruning
     from shared.engine import OFF, SamplingParams
-    from shared.engine.pruning import default_pruning
     from shared.models import load_model
     from shared.settings import EngineSettings
 

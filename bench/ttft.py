@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out/bench_ttft.json")
     args = parser.parse_args(argv)
 
+    from shared.contract import preset
     from shared.engine import PruneConfig
-    from shared.engine.pruning import preset
     from shared.models import load_model
 
     torch.set_num_threads(args.threads)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from shared.engine import Generation, PruneConfig, SamplingParams, stream
 from shared.models import LoadedModel
+from shared.schemas import ChatCompletion, TextCompletion
+from shared.serving import RequestError, build_response, parse_request, prepare
 from shared.text import Detokenizer, TextModel
 
 
@@ -63,3 +65,14 @@ class LLM(TextModel):
         for _ in self.stream_text(ids, sampling, pruning, stop, completion):
             pass
         return completion
+
+
+def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
+    """Run one request to completion (no streaming). Raises RequestError for bad input."""
+    request = parse_request(url, body)
+    if request.stream:
+        raise RequestError(400, "stream is not available here", param="stream")
+    prepared = prepare(llm, request)
+    completion = llm.complete(prepared.ids, prepared.sampling, prepared.pruning, prepared.stop)
+    stats = completion.generation.stats
+    return build_response(llm.name, request, prepared, completion.text, completion.finish_reason, stats)

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_model
 
-from shared.engine.model import SUPPORTED_MODEL_TYPES, EngineModel, ModelSpec
+from shared.contract import SUPPORTED_MODEL_TYPES, ModelSpec
+from shared.engine.model import EngineModel
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.engine.pruning import PRESET_NAMES, PruneConfig
+from shared.contract import PRESET_NAMES, PruneConfig
 
 PruningField = Literal[PRESET_NAMES] | PruneConfig
 

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from shared.engine import PruneConfig, SamplingParams, Stats
-from shared.llm import LLM
+from shared.contract import PruneConfig, SamplingParams, Stats
 from shared.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -145,14 +144,3 @@ def choice_text(body: dict) -> str:
     """The generated text of a dumped chat.completion or text_completion body."""
     choice = body["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
-
-
-def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
-    """Run one request to completion (no streaming). Raises RequestError for bad input."""
-    request = parse_request(url, body)
-    if request.stream:
-        raise RequestError(400, "stream is not available here", param="stream")
-    prepared = prepare(llm, request)
-    completion = llm.complete(prepared.ids, prepared.sampling, prepared.pruning, prepared.stop)
-    stats = completion.generation.stats
-    return build_response(llm.name, request, prepared, completion.text, completion.finish_reason, stats)

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.engine.pruning import PRESET_NAMES
+from shared.contract import PRESET_NAMES
 from shared.models import DEFAULT_MODEL, default_cache_dir
 from shared.transport import InternalAuth, TlsFiles
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.engine import ModelSpec, PruneConfig
-from shared.engine.pruning import preset
+from shared.contract import ModelSpec, PruneConfig, preset
 
 
 @dataclass

@@ -22,13 +22,13 @@ from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.decode.scheduler import FAILED, TOKEN, Scheduler, Sequence
 from services.decode.settings import DecodeSettings
 from services.decode.transfers import TransferTable
+from shared.contract import preset
+from shared.contract.wire import prompt_from_pb
 from shared.engine import Decoding, Generation, PrefillRun, PruneConfig, Sampler, SamplingParams
-from shared.engine.pruning import preset
 from shared.models import LoadedModel
 from shared.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
 from shared.telemetry import extract_context, tracer
 from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb
-from shared.transfer.messages import prompt_from_pb
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.prefill.sender import KVSender
 from services.prefill.settings import PrefillSettings
+from shared.contract import preset
+from shared.contract.wire import prompt_from_pb
 from shared.engine import Sampler, Stats, fill_prefill_stats, prefill
-from shared.engine.pruning import preset
 from shared.models import LoadedModel
 from shared.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, start_serving
 from shared.telemetry import extract_context, tracer
 from shared.transfer import end_message, header_message, stats_to_pb
-from shared.transfer.messages import prompt_from_pb
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from contextlib import aclosing
 from services.router.dispatch import Finished, Tokens
 from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision
-from shared.engine import Stats
+from shared.contract import Stats
 from shared.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,

@@ -11,7 +11,7 @@ from opentelemetry.propagate import extract
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.router.policy import Decision
-from shared.engine import Stats
+from shared.contract import Stats
 from shared.serving import Prepared
 from shared.telemetry import tracer
 

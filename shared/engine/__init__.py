@@ -1,22 +1,24 @@
-"""The lazyserve engine: LazyLLM prefill and decode over a Llama-family model. No I/O lives here."""
+"""The lazyserve engine: LazyLLM prefill and decode over a Llama-family model. No I/O lives here.
 
+The value types it takes and reports (PruneConfig, SamplingParams, Stats, ModelSpec) are
+shared/contract's, re-exported here for the engine's callers."""
+
+from shared.contract import OFF, ModelSpec, PruneConfig, SamplingParams, Stats, UnsupportedModelError
 from shared.engine.cache import LazyCache, QueryWindow
 from shared.engine.decode import decode_batch, decode_step
 from shared.engine.generate import (
     Decoding,
     Generation,
     Sampler,
-    SamplingParams,
     decode_tokens,
     fill_prefill_stats,
     generate,
     sample,
     stream,
 )
-from shared.engine.model import EngineModel, ModelSpec, UnsupportedModelError
+from shared.engine.model import EngineModel
 from shared.engine.prefill import LayerFrame, PrefillRun, prefill
-from shared.engine.pruning import OFF, PruneConfig, select
-from shared.engine.stats import Stats
+from shared.engine.pruning import select
 
 __all__ = [
     "OFF",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.model import ModelSpec
+from shared.contract import ModelSpec
 
 
 class InvariantError(AssertionError):

@@ -4,9 +4,7 @@ The sender turns LayerFrames into frames (frames.py); the receiver validates eve
 assembles a LazyCache (assembler.py). Protobuf types stop here: the engine never sees them.
 """
 
-from shared.transfer.assembler import Assembled, TransferAssembler
-from shared.transfer.frames import DEFAULT_FRAME_BYTES, end_message, frame_messages, header_message, payload_bytes
-from shared.transfer.messages import (
+from shared.contract.wire import (
     pruning_from_pb,
     pruning_to_pb,
     sampling_from_pb,
@@ -14,6 +12,8 @@ from shared.transfer.messages import (
     stats_from_pb,
     stats_to_pb,
 )
+from shared.transfer.assembler import Assembled, TransferAssembler
+from shared.transfer.frames import DEFAULT_FRAME_BYTES, end_message, frame_messages, header_message, payload_bytes
 from shared.transfer.tensors import FrameError
 
 __all__ = [

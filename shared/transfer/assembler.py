@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
+from shared.contract.pruning import MAX_WINDOW
+from shared.contract.wire import check_token_ids, pruning_from_pb, sampling_from_pb, stats_from_pb
 from shared.engine import LazyCache, ModelSpec, PruneConfig, QueryWindow, SamplingParams, Stats
-from shared.engine.pruning import MAX_WINDOW
-from shared.transfer.messages import check_token_ids, pruning_from_pb, sampling_from_pb, stats_from_pb
 from shared.transfer.tensors import FrameError, dtype_name, frame_checksum, positions_tensor, tensor_from_pb
 
 MAX_TRANSFER_ID = 128

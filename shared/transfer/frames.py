@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
+from shared.contract.wire import pruning_to_pb, sampling_to_pb, stats_to_pb
 from shared.engine import LayerFrame, ModelSpec, PruneConfig, SamplingParams, Stats
-from shared.transfer.messages import pruning_to_pb, sampling_to_pb, stats_to_pb
 from shared.transfer.tensors import dtype_name, fill_tensor, frame_checksum
 
 # Tensor payload per frame, KV and Aux each: frames stay well under gRPC's 4 MiB message default.

@@ -15,15 +15,12 @@ import numpy as np
 import torch
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
+from shared.contract.wire import FrameError
 
 # The dtypes a model here runs in; anything else on the wire is refused.
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 if sys.byteorder != "little":
     raise ImportError("the wire format is little-endian; this host is not")
-
-
-class FrameError(ValueError):
-    """A transfer message that is malformed or inconsistent with the receiver's model."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -15,8 +15,8 @@ from services.prefill.actor import actor_addresses, launch_prefill_actors
 from services.prefill.settings import PrefillSettings
 from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
 from shared import rpc
+from shared.contract import preset
 from shared.engine import OFF, SamplingParams, generate
-from shared.engine.pruning import preset
 from shared.settings import EngineSettings
 
 SAMPLINGS = {

@@ -1,4 +1,4 @@
-"""Domain objects <-> protobuf messages, at the edge: protobuf types never enter the engine.
+"""The contract's value types <-> protobuf messages, at the edge: protobuf never enters the engine.
 
 Received parameters are validated here with the same rules as a REST request, and a violation
 is a FrameError whose message says which field was wrong.
@@ -9,8 +9,13 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
-from shared.engine import PruneConfig, SamplingParams, Stats
-from shared.transfer.tensors import FrameError
+from shared.contract.pruning import PruneConfig
+from shared.contract.sampling import SamplingParams
+from shared.contract.stats import Stats
+
+
+class FrameError(ValueError):
+    """A transfer message that is malformed or inconsistent with the receiver's model."""
 
 
 def pruning_to_pb(config: PruneConfig) -> pb.PruneConfig:
