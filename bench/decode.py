@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from shared.contract import preset
-    from shared.models import load_model
+    from shared.models.weights import load_model
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
     from shared.contract import default_pruning
     from shared.engine import OFF, SamplingParams
-    from shared.models import load_model
+    from shared.models.weights import load_model
     from shared.settings import EngineSettings
 
     torch.set_num_threads(args.threads)

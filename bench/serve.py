@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     from services.prefill.actor import actor_addresses, ensure_ray, launch_prefill_actors
     from services.prefill.settings import PrefillSettings
     from services.up import wait_for_gateway
+    from shared.models.text import load_text_model
     from shared.settings import EngineSettings
-    from shared.text import load_text_model
 
     text = load_text_model(args.model)
     corpus = text.tokenizer(reference_text()).input_ids

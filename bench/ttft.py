@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from shared.contract import preset
     from shared.engine import PruneConfig
-    from shared.models import load_model
+    from shared.models.weights import load_model
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)

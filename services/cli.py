@@ -19,7 +19,7 @@ def _engine_settings(args):
 
 def _load_llm(settings):
     from shared.llm import LLM
-    from shared.models import load_model
+    from shared.models.weights import load_model
 
     loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir)
     return LLM(loaded, default_preset=settings.pruning_preset)

@@ -1,6 +1,6 @@
 """Text in, text out over the in-process engine: a TextModel plus the weights.
 
-The engine sees token ids only; the text side (tokenizer, template, stop strings) is shared.text.
+The engine sees token ids only; the text side (tokenizer, template, stop strings) is shared.models.text.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from shared.engine import Generation, PruneConfig, SamplingParams, stream
-from shared.models import LoadedModel
+from shared.models.text import Detokenizer, TextModel
+from shared.models.weights import LoadedModel
 from shared.schemas import ChatCompletion, TextCompletion
 from shared.serving import RequestError, build_response, parse_request, prepare
-from shared.text import Detokenizer, TextModel
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from shared.contract import PruneConfig, SamplingParams, Stats
+from shared.models.text import TextModel
 from shared.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -22,7 +23,6 @@ from shared.schemas import (
     TextCompletion,
     Usage,
 )
-from shared.text import TextModel
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

@@ -12,7 +12,7 @@ from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.contract import PRESET_NAMES
-from shared.models import DEFAULT_MODEL, default_cache_dir
+from shared.models.catalog import DEFAULT_MODEL, default_cache_dir
 from shared.transport import InternalAuth, TlsFiles
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.models import TINY_MODELS, load_model
+from shared.models.catalog import TINY_MODELS
+from shared.models.weights import load_model
 
 torch.set_num_threads(2)
 

@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from shared.llm import LLM
-    from shared.models import load_model
+    from shared.models.weights import load_model
 
     torch.set_num_threads(args.threads)
     llm = LLM(load_model(args.model))

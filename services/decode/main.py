@@ -7,7 +7,7 @@ import logging
 from services.decode.server import start_decode_worker
 from services.decode.settings import DecodeSettings
 from shared.lifecycle import wait_for_signal
-from shared.models import load_model
+from shared.models.weights import load_model
 from shared.registry import Heartbeat, WorkerInfo
 from shared.telemetry import setup_logging, setup_tracing, shutdown_tracing
 

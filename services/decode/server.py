@@ -25,7 +25,7 @@ from services.decode.transfers import TransferTable
 from shared.contract import preset
 from shared.contract.wire import prompt_from_pb
 from shared.engine import Decoding, Generation, PrefillRun, PruneConfig, Sampler, SamplingParams
-from shared.models import LoadedModel
+from shared.models.weights import LoadedModel
 from shared.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
 from shared.telemetry import extract_context, tracer
 from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb

@@ -19,7 +19,7 @@ from services.prefill.settings import PrefillSettings
 class PrefillActor:
     def __init__(self, settings_json: str):
         from services.prefill.worker import start_prefill_worker
-        from shared.models import load_model
+        from shared.models.weights import load_model
         from shared.telemetry import setup_logging, setup_tracing
 
         setup_logging()

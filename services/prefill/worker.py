@@ -23,7 +23,7 @@ from services.prefill.settings import PrefillSettings
 from shared.contract import preset
 from shared.contract.wire import prompt_from_pb
 from shared.engine import Sampler, Stats, fill_prefill_stats, prefill
-from shared.models import LoadedModel
+from shared.models.weights import LoadedModel
 from shared.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, start_serving
 from shared.telemetry import extract_context, tracer
 from shared.transfer import end_message, header_message, stats_to_pb

@@ -8,8 +8,8 @@ import uvicorn
 
 from services.router.gateway import create_app
 from services.router.settings import GatewaySettings
+from shared.models.text import load_text_model
 from shared.telemetry import setup_logging, setup_tracing, shutdown_tracing
-from shared.text import load_text_model
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from services.router.dispatch import Finished, Tokens
 from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision
 from shared.contract import Stats
+from shared.models.text import Detokenizer
 from shared.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -24,7 +25,6 @@ from shared.schemas import (
     CompletionChunkChoice,
 )
 from shared.serving import Prepared, metrics_of, usage_of
-from shared.text import Detokenizer
 
 
 class TextJob:

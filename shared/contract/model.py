@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -25,6 +26,19 @@ class ModelSpec:
     @property
     def kv_bytes_per_token_layer(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * 4
+
+    @classmethod
+    def from_config_file(cls, path) -> ModelSpec:
+        """From a checkpoint's config.json read as JSON, so the gateway needs no transformers config
+        class (importing one imports torch). Equal to from_config(AutoConfig...) for the supported
+        families (tested); absent fields take those classes' defaults."""
+        import json
+        from types import SimpleNamespace
+
+        fields = json.loads(Path(path).read_text())
+        fields.setdefault("num_key_value_heads", fields.get("num_attention_heads"))
+        fields.setdefault("sliding_window", None)
+        return cls.from_config(SimpleNamespace(**fields))
 
     @classmethod
     def from_config(cls, config) -> ModelSpec:

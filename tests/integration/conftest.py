@@ -166,7 +166,7 @@ class RunningGateway:
 
 @pytest.fixture(scope="session")
 def tiny_text():
-    from shared.text import load_text_model
+    from shared.models.text import load_text_model
 
     return load_text_model("tiny-llama")
 

@@ -47,7 +47,7 @@ def fingerprint(model, config) -> dict:
 
 def main() -> None:
     from shared.engine import PruneConfig
-    from shared.models import load_model
+    from shared.models.weights import load_model
 
     torch.set_num_threads(2)
     model = load_model("tiny-llama").engine

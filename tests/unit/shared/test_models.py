@@ -7,7 +7,8 @@ import torch
 from transformers import AutoTokenizer
 
 from shared.engine import UnsupportedModelError
-from shared.models import ModelNotFoundError, build_tiny, default_model_folder, load_model
+from shared.models.catalog import ModelNotFoundError, default_model_folder
+from shared.models.weights import build_tiny, load_model
 
 
 def test_bundled_model_shape(smollm2):

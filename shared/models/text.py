@@ -6,10 +6,12 @@ The gateway tokenizes and detokenizes with this alone; workers hold the weights.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.contract import ModelSpec, PruneConfig, preset
+from shared.models.catalog import DEFAULT_MODEL, INSTALL_HINT, ModelNotFoundError, resolve, stop_ids_of, tiny_config
 
 
 @dataclass
@@ -53,37 +55,34 @@ class TextModel:
         return config.check_for(self.spec.num_layers)
 
 
-def stop_ids_of(generation_eos, tokenizer) -> tuple[int, ...]:
-    ids = generation_eos
-    if ids is None and tokenizer is not None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return ()
-    return tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
-
-
 def load_text_model(name: str, cache_dir: Path | None = None) -> TextModel:
-    """Tokenizer and config of `name` (as shared.models.load_model names it), no weights."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from shared.models import DEFAULT_MODEL, TINY_MODELS, default_model_folder, tiny_config
-
-    if name in TINY_MODELS:
-        config = tiny_config(name)
-        folder = default_model_folder(cache_dir)  # tiny models borrow SmolLM2's tokenizer
-        return TextModel(
-            name, AutoTokenizer.from_pretrained(folder), ModelSpec.from_config(config), (config.eos_token_id,)
+    """Tokenizer and config of `name` (resolved as for the weights), without the weights, and
+    without torch: the config and generation config are read as JSON, and a checkpoint with a
+    tokenizer.json gets transformers' tokenizers-backed class, which AutoTokenizer would also
+    pick for it (tested) but only after importing torch."""
+    source = resolve(name, cache_dir)
+    if source.folder is None:
+        raise ModelNotFoundError(
+            f"tiny models borrow {DEFAULT_MODEL}'s tokenizer, which is not installed: {INSTALL_HINT}"
         )
-    folder = default_model_folder(cache_dir) if name == DEFAULT_MODEL else Path(name)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    try:
-        eos = GenerationConfig.from_pretrained(folder).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = None
-    label = DEFAULT_MODEL if name == DEFAULT_MODEL else folder.name
-    return TextModel(
-        label, tokenizer, ModelSpec.from_config(AutoConfig.from_pretrained(folder)), stop_ids_of(eos, tokenizer)
-    )
+    tokenizer = load_tokenizer(source.folder)
+    if source.tiny is not None:
+        config = tiny_config(source.tiny)
+        return TextModel(source.label, tokenizer, ModelSpec.from_config(config), (config.eos_token_id,))
+    generation = source.folder / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+    spec = ModelSpec.from_config_file(source.folder / "config.json")
+    return TextModel(source.label, tokenizer, spec, stop_ids_of(eos, tokenizer))
+
+
+def load_tokenizer(folder: Path):
+    if (folder / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 class Detokenizer:

@@ -1,0 +1,60 @@
+"""Loading a model's weights for the engine (prefill and decode workers, run-batch, benchmarks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.contract import ModelSpec
+from shared.engine.model import EngineModel
+from shared.models.catalog import DEFAULT_MODEL, default_cache_dir, resolve, stop_ids_of, tiny_config
+from shared.models.text import load_tokenizer
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    engine: EngineModel
+    tokenizer: object | None  # a transformers tokenizer; tiny random models borrow SmolLM2's if present
+
+    @property
+    def max_positions(self) -> int:
+        return self.engine.spec.max_positions
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return stop_ids_of(self.engine.hf.generation_config.eos_token_id, self.tokenizer)
+
+
+def build_tiny(kind: str, seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(kind)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load `name`: the default model, a tiny random config, or a local Hugging Face folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = resolve(name, cache_dir or default_cache_dir())
+    torch_dtype = getattr(torch, dtype)
+    if source.tiny is not None:
+        hf = build_tiny(source.tiny).to(device=device, dtype=torch_dtype)
+        tokenizer = load_tokenizer(source.folder) if source.folder is not None else None
+        return LoadedModel(source.label, EngineModel(hf), tokenizer)
+    # Refuse an unsupported architecture before loading anything else.
+    ModelSpec.from_config(AutoConfig.from_pretrained(source.folder))
+    tokenizer = load_tokenizer(source.folder)
+    hf = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch_dtype, attn_implementation="sdpa")
+    return LoadedModel(source.label, EngineModel(hf.to(device)), tokenizer)
