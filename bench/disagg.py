@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from shared.contract import default_pruning
     from shared.engine import OFF, SamplingParams
     from shared.models.weights import load_model
-    from shared.settings import EngineSettings
+    from shared.net.settings import EngineSettings
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.prefill.settings import PrefillSettings
     from services.up import wait_for_gateway
     from shared.models.text import load_text_model
-    from shared.settings import EngineSettings
+    from shared.net.settings import EngineSettings
 
     text = load_text_model(args.model)
     corpus = text.tokenizer(reference_text()).input_ids

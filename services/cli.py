@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _engine_settings(args):
-    from shared.settings import EngineSettings
+    from shared.net.settings import EngineSettings
 
     overrides = {k: v for k, v in (("model", args.model), ("threads", args.threads)) if v is not None}
     settings = EngineSettings(**overrides)
@@ -18,7 +18,7 @@ def _engine_settings(args):
 
 
 def _load_llm(settings):
-    from shared.llm import LLM
+    from shared.api.llm import LLM
     from shared.models.weights import load_model
 
     loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir)
@@ -44,7 +44,7 @@ def _service_overrides(args, names: tuple[str, ...]) -> dict:
     overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     engine = {k: v for k, v in (("model", args.model), ("threads", args.threads)) if v is not None}
     if engine:
-        from shared.settings import EngineSettings
+        from shared.net.settings import EngineSettings
 
         overrides["engine"] = EngineSettings(**engine)
     return overrides
@@ -90,7 +90,7 @@ def cmd_up(args) -> int:
 def cmd_certs(args) -> int:
     import shlex
 
-    from shared.certs import DEFAULT_HOSTS, make_dev_certs
+    from shared.net.certs import DEFAULT_HOSTS, make_dev_certs
 
     paths = make_dev_certs(Path(args.out), args.host or list(DEFAULT_HOSTS), args.days)
     names = {"ca": "LAZYSERVE_TLS_CA", "cert": "LAZYSERVE_TLS_CERT", "key": "LAZYSERVE_TLS_KEY"}
@@ -99,8 +99,8 @@ def cmd_certs(args) -> int:
 
 
 def cmd_health(args) -> int:
-    from shared.rpc import check_health
-    from shared.settings import InternalAuthSettings
+    from shared.net.rpc import check_health
+    from shared.net.settings import InternalAuthSettings
 
     # The same LAZYSERVE_TLS_* / token environment as the worker: a probe under mutual TLS must
     # present the certificate too.

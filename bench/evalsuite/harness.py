@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from shared.llm import LLM
+    from shared.api.llm import LLM
     from shared.models.weights import load_model
 
     torch.set_num_threads(args.threads)

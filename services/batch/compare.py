@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from services.batch.runner import BatchSummary
-from shared.llm import LLM, respond
-from shared.serving import choice_text
+from shared.api.llm import LLM, respond
+from shared.api.serving import choice_text
 
 
 def _answer(body: dict) -> str:

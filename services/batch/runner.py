@@ -15,10 +15,10 @@ from pathlib import Path
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from shared.api.llm import LLM, respond
+from shared.api.schemas import BatchInputLine, BatchOutputLine, BatchResponse, ErrorBody
+from shared.api.serving import RequestError, validation_message
 from shared.contract import PRESET_NAMES
-from shared.llm import LLM, respond
-from shared.schemas import BatchInputLine, BatchOutputLine, BatchResponse, ErrorBody
-from shared.serving import RequestError, validation_message
 
 log = logging.getLogger(__name__)
 

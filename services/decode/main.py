@@ -6,10 +6,10 @@ import logging
 
 from services.decode.server import start_decode_worker
 from services.decode.settings import DecodeSettings
-from shared.lifecycle import wait_for_signal
 from shared.models.weights import load_model
-from shared.registry import Heartbeat, WorkerInfo
-from shared.telemetry import setup_logging, setup_tracing, shutdown_tracing
+from shared.net.lifecycle import wait_for_signal
+from shared.net.registry import Heartbeat, WorkerInfo
+from shared.net.telemetry import setup_logging, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from shared.engine import (
     decode_batch,
     fill_prefill_stats,
 )
-from shared.rpc import ResourceExhausted
+from shared.net.rpc import ResourceExhausted
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from shared.contract import preset
 from shared.contract.wire import prompt_from_pb
 from shared.engine import Decoding, Generation, PrefillRun, PruneConfig, Sampler, SamplingParams
 from shared.models.weights import LoadedModel
-from shared.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
-from shared.telemetry import extract_context, tracer
+from shared.net.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
+from shared.net.telemetry import extract_context, tracer
 from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from shared.rpc import AlreadyExists, DeadlineExceeded, NotFound, ResourceExhausted
+from shared.net.rpc import AlreadyExists, DeadlineExceeded, NotFound, ResourceExhausted
 from shared.transfer import Assembled, TransferAssembler
 
 

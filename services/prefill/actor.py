@@ -20,7 +20,7 @@ class PrefillActor:
     def __init__(self, settings_json: str):
         from services.prefill.worker import start_prefill_worker
         from shared.models.weights import load_model
-        from shared.telemetry import setup_logging, setup_tracing
+        from shared.net.telemetry import setup_logging, setup_tracing
 
         setup_logging()
         setup_tracing("lazyserve-prefill")
@@ -39,7 +39,7 @@ class PrefillActor:
         self.worker = start_prefill_worker(settings, loaded)
         self.heartbeat = None
         if settings.redis_url:
-            from shared.registry import Heartbeat, WorkerInfo
+            from shared.net.registry import Heartbeat, WorkerInfo
 
             info = WorkerInfo(
                 role="prefill",
@@ -54,7 +54,7 @@ class PrefillActor:
 
     def flush_traces(self) -> None:
         """Export buffered spans now (before the actor is killed)."""
-        from shared.telemetry import shutdown_tracing
+        from shared.net.telemetry import shutdown_tracing
 
         shutdown_tracing()
 

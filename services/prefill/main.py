@@ -8,8 +8,8 @@ import ray
 
 from services.prefill.actor import actor_addresses, launch_prefill_actors
 from services.prefill.settings import PrefillSettings
-from shared.lifecycle import wait_for_signal
-from shared.telemetry import setup_logging
+from shared.net.lifecycle import wait_for_signal
+from shared.net.telemetry import setup_logging
 
 log = logging.getLogger(__name__)
 

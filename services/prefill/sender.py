@@ -17,11 +17,11 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_contex
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
-from shared import rpc
 from shared.engine import LayerFrame
-from shared.telemetry import tracer
+from shared.net import rpc
+from shared.net.telemetry import tracer
+from shared.net.transport import NO_AUTH, InternalAuth
 from shared.transfer import frame_messages, payload_bytes
-from shared.transport import NO_AUTH, InternalAuth
 
 _CLOSE = object()
 

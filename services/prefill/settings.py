@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from shared.settings import WorkerSettings
+from shared.net.settings import WorkerSettings
 from shared.transfer import DEFAULT_FRAME_BYTES
 
 

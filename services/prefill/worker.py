@@ -24,8 +24,8 @@ from shared.contract import preset
 from shared.contract.wire import prompt_from_pb
 from shared.engine import Sampler, Stats, fill_prefill_stats, prefill
 from shared.models.weights import LoadedModel
-from shared.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, start_serving
-from shared.telemetry import extract_context, tracer
+from shared.net.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, start_serving
+from shared.net.telemetry import extract_context, tracer
 from shared.transfer import end_message, header_message, stats_to_pb
 
 log = logging.getLogger(__name__)

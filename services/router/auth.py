@@ -11,7 +11,7 @@ import hmac
 
 import redis
 
-from shared.registry import PREFIX
+from shared.net.registry import PREFIX
 
 API_KEYS = f"{PREFIX}:apikeys"
 

@@ -15,7 +15,7 @@ from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from shared.contract import PruneConfig, SamplingParams, Stats
 from shared.contract.wire import pruning_to_pb, sampling_to_pb, stats_from_pb
-from shared.transport import NO_AUTH, InternalAuth
+from shared.net.transport import NO_AUTH, InternalAuth
 
 
 @dataclass

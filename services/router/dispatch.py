@@ -27,12 +27,12 @@ from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision, NoWorkerError
 from services.router.tracing import annotate_decision
 from services.router.workers import DECODE_TOKENS, PREFILL_COST, Workers
+from shared.api.serving import Prepared
 from shared.contract import Stats
 from shared.contract.wire import pruning_to_pb, sampling_to_pb, stats_from_pb
 from shared.models.text import TextModel
-from shared.serving import Prepared
-from shared.telemetry import tracer
-from shared.transport import NO_AUTH, InternalAuth
+from shared.net.telemetry import tracer
+from shared.net.transport import NO_AUTH, InternalAuth
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import redis
 
 from services.router.dispatch import DeadlineError, UpstreamError
 from services.router.policy import NoWorkerError
-from shared.schemas import ErrorBody
-from shared.serving import RequestError
+from shared.api.schemas import ErrorBody
+from shared.api.serving import RequestError
 
 log = logging.getLogger(__name__)
 

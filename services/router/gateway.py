@@ -39,10 +39,10 @@ from services.router.tracing import (
     start_request_span,
 )
 from services.router.workers import STREAMS, RedisWorkers, StaticWorkers, Workers
+from shared.api.schemas import ModelCard, ModelList
+from shared.api.serving import CHAT_URL, COMPLETIONS_URL, RequestError, build_response, parse_request, prepare
 from shared.models.text import TextModel
-from shared.registry import WorkerInfo
-from shared.schemas import ModelCard, ModelList
-from shared.serving import CHAT_URL, COMPLETIONS_URL, RequestError, build_response, parse_request, prepare
+from shared.net.registry import WorkerInfo
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import uvicorn
 from services.router.gateway import create_app
 from services.router.settings import GatewaySettings
 from shared.models.text import load_text_model
-from shared.telemetry import setup_logging, setup_tracing, shutdown_tracing
+from shared.net.telemetry import setup_logging, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from shared.schemas import ChatCompletion, ChatCompletionRequest, CompletionRequest, ErrorBody, TextCompletion
-from shared.serving import CHAT_URL, COMPLETIONS_URL
+from shared.api.schemas import ChatCompletion, ChatCompletionRequest, CompletionRequest, ErrorBody, TextCompletion
+from shared.api.serving import CHAT_URL, COMPLETIONS_URL
 
 
 class ErrorResponse(BaseModel):

@@ -14,7 +14,7 @@ import itertools
 from dataclasses import dataclass
 
 from services.router.workers import DECODE_TOKENS, PREFILL_COST, Workers
-from shared.registry import WorkerInfo
+from shared.net.registry import WorkerInfo
 
 
 class NoWorkerError(Exception):

@@ -10,7 +10,7 @@ import time
 
 import redis
 
-from shared.registry import PREFIX
+from shared.net.registry import PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,7 @@ from contextlib import aclosing
 from services.router.dispatch import Finished, Tokens
 from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision
-from shared.contract import Stats
-from shared.models.text import Detokenizer
-from shared.schemas import (
+from shared.api.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -24,7 +22,9 @@ from shared.schemas import (
     CompletionChunk,
     CompletionChunkChoice,
 )
-from shared.serving import Prepared, metrics_of, usage_of
+from shared.api.serving import Prepared, metrics_of, usage_of
+from shared.contract import Stats
+from shared.models.text import Detokenizer
 
 
 class TextJob:

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from shared.settings import EngineSettings, InternalAuthSettings
+from shared.net.settings import EngineSettings, InternalAuthSettings
 
 AddressList = Annotated[list[str], NoDecode]
 

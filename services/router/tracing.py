@@ -11,9 +11,9 @@ from opentelemetry.propagate import extract
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.router.policy import Decision
+from shared.api.serving import Prepared
 from shared.contract import Stats
-from shared.serving import Prepared
-from shared.telemetry import tracer
+from shared.net.telemetry import tracer
 
 
 def start_request_span(headers, operation: str, model: str):

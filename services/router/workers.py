@@ -17,7 +17,7 @@ from typing import Protocol
 
 import redis
 
-from shared.registry import PREFIX, WorkerInfo, connect, list_workers
+from shared.net.registry import PREFIX, WorkerInfo, connect, list_workers
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class StaticWorkers:
 
 
 class RedisWorkers:
-    """The multi-host mode: workers register themselves (shared.registry); load is shared.
+    """The multi-host mode: workers register themselves (shared.net.registry); load is shared.
 
     Each router replica keeps its own share of the load in its own hashes
     (`lazyserve:load:<kind>:<router id>`), refreshed with a TTL while it lives; readers add up the

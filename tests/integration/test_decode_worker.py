@@ -12,8 +12,8 @@ from helpers import encode_transfer, random_ids
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from services.router.disagg import run_local
-from shared import rpc
 from shared.engine import OFF, PruneConfig, SamplingParams, generate
+from shared.net import rpc
 from shared.transfer.tensors import frame_checksum
 
 CONFIG = PruneConfig(stages=((1, 0.5), (3, 0.25)))

@@ -14,10 +14,10 @@ from helpers import random_ids, text_ids
 from services.prefill.actor import actor_addresses, launch_prefill_actors
 from services.prefill.settings import PrefillSettings
 from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
-from shared import rpc
 from shared.contract import preset
 from shared.engine import OFF, SamplingParams, generate
-from shared.settings import EngineSettings
+from shared.net import rpc
+from shared.net.settings import EngineSettings
 
 SAMPLINGS = {
     "greedy": SamplingParams(max_new_tokens=12),

@@ -12,8 +12,8 @@ from conftest import wait_for
 from helpers import random_ids
 
 from services.router.disagg import DecodeClient
-from shared.llm import LLM, respond
-from shared.serving import CHAT_URL, COMPLETIONS_URL, choice_text
+from shared.api.llm import LLM, respond
+from shared.api.serving import CHAT_URL, COMPLETIONS_URL, choice_text
 
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 LONG_PROMPT_TOKENS = 700

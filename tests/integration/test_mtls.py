@@ -15,10 +15,10 @@ from helpers import encode_transfer, random_ids
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
-from shared import rpc
-from shared.certs import INTERNAL_NAME, make_dev_certs
 from shared.engine import OFF, PruneConfig, SamplingParams, generate
-from shared.settings import InternalAuthSettings
+from shared.net import rpc
+from shared.net.certs import INTERNAL_NAME, make_dev_certs
+from shared.net.settings import InternalAuthSettings
 
 LAZYSERVE = os.path.join(os.path.dirname(sys.executable), "lazyserve")
 CONFIG = PruneConfig(stages=((1, 0.5), (3, 0.25)))

@@ -16,7 +16,7 @@ from helpers import random_ids
 
 from services.router.auth import API_KEYS, add_key, hash_key
 from services.router.workers import DECODE_TOKENS, STREAMS, RedisWorkers
-from shared.registry import Heartbeat, WorkerInfo, connect, list_workers
+from shared.net.registry import Heartbeat, WorkerInfo, connect, list_workers
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
-from shared import rpc
 from shared.engine import OFF, PruneConfig, SamplingParams, generate
-from shared.transport import MAX_MESSAGE_BYTES, NO_AUTH, InternalAuth
+from shared.net import rpc
+from shared.net.transport import MAX_MESSAGE_BYTES, NO_AUTH, InternalAuth
 
 TOKEN = "internal-secret-for-tests"
 AUTH = InternalAuth(token=TOKEN)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from services.batch.runner import run_batch
-from shared.llm import LLM
+from shared.api.llm import LLM
 
 
 @pytest.fixture(scope="module")

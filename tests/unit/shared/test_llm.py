@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from shared.api.llm import LLM
 from shared.engine import OFF, SamplingParams, sample
-from shared.llm import LLM
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def test_greedy_and_seeded_sampling():
 
 def test_stream_deltas_join_to_the_text(llm):
     ids = llm.chat_ids([{"role": "user", "content": "List three colours."}])
-    from shared.llm import Completion
+    from shared.api.llm import Completion
 
     completion = Completion()
     deltas = list(llm.stream_text(ids, SamplingParams(max_new_tokens=20), OFF, None, completion))

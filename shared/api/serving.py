@@ -10,9 +10,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from shared.contract import PruneConfig, SamplingParams, Stats
-from shared.models.text import TextModel
-from shared.schemas import (
+from shared.api.schemas import (
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
@@ -23,6 +21,8 @@ from shared.schemas import (
     TextCompletion,
     Usage,
 )
+from shared.contract import PruneConfig, SamplingParams, Stats
+from shared.models.text import TextModel
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

@@ -14,8 +14,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shared.transfer.tensors import FrameError
-from shared.transport import CHANNEL_OPTIONS, NO_AUTH, InternalAuth
+from shared.contract.wire import FrameError
+from shared.net.transport import CHANNEL_OPTIONS, NO_AUTH, InternalAuth
 
 log = logging.getLogger(__name__)
 

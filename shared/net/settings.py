@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.contract import PRESET_NAMES
 from shared.models.catalog import DEFAULT_MODEL, default_cache_dir
-from shared.transport import InternalAuth, TlsFiles
+from shared.net.transport import InternalAuth, TlsFiles
 
 
 class EngineSettings(BaseSettings):

@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from shared.api.schemas import ChatCompletion, TextCompletion
+from shared.api.serving import RequestError, build_response, parse_request, prepare
 from shared.engine import Generation, PruneConfig, SamplingParams, stream
 from shared.models.text import Detokenizer, TextModel
 from shared.models.weights import LoadedModel
-from shared.schemas import ChatCompletion, TextCompletion
-from shared.serving import RequestError, build_response, parse_request, prepare
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Every server port, every client channel (sync and asyncio) and every token header is made from
 one InternalAuth, built from a process's settings at its entry point, so a process cannot check
-one thing and send another. What a call means and how its errors read is shared.rpc's business.
+one thing and send another. What a call means and how its errors read is shared.net.rpc's business.
 """
 
 from __future__ import annotations

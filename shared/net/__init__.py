@@ -1,0 +1,2 @@
+"""Plumbing between processes: gRPC servers and channels (rpc, transport), TLS certificates,
+the Redis worker registry, tracing and logs (telemetry), settings, and process lifecycle."""
