@@ -12,14 +12,13 @@ import queue
 from collections.abc import Callable
 
 import grpc
-from opentelemetry.propagate import inject
-from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from shared.engine import LayerFrame
 from shared.net import rpc
-from shared.net.telemetry import tracer
+from shared.net.telemetry import trace_metadata, tracer
 from shared.net.transport import NO_AUTH, InternalAuth
 from shared.transfer import frame_messages, payload_bytes
 
@@ -48,9 +47,7 @@ class KVSender:
         self.span = tracer.start_span("kv_transfer", kind=SpanKind.CLIENT)
         self.span.set_attribute("lazyserve.transfer_id", self.transfer_id)
         self.span.set_attribute("server.address", address)
-        carrier: dict[str, str] = {}
-        inject(carrier, context=set_span_in_context(self.span))
-        metadata = tuple(carrier.items()) + auth.metadata()
+        metadata = trace_metadata(self.span) + auth.metadata()
         self._future = stub.PushKV.future(self._messages(header), timeout=timeout_s, metadata=metadata)
 
     def _count(self, message: pb.TransferMessage) -> pb.TransferMessage:

@@ -8,7 +8,6 @@ stop string) cancels the downstream calls, and the decode worker frees the seque
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -18,11 +17,11 @@ from dataclasses import dataclass
 
 import grpc
 from opentelemetry import context as otel_context
-from opentelemetry.propagate import inject
-from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
+from services.router.admission import in_background, off_loop
 from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision, NoWorkerError
 from services.router.tracing import annotate_decision
@@ -31,7 +30,7 @@ from shared.api.serving import Prepared
 from shared.contract import Stats
 from shared.contract.wire import pruning_to_pb, sampling_to_pb, stats_from_pb
 from shared.models.text import TextModel
-from shared.net.telemetry import tracer
+from shared.net.telemetry import trace_metadata, tracer
 from shared.net.transport import NO_AUTH, InternalAuth
 
 log = logging.getLogger(__name__)
@@ -65,13 +64,6 @@ class UpstreamError(Exception):
 
 class DeadlineError(Exception):
     """The request deadline passed (504)."""
-
-
-def metadata_of(span) -> tuple[tuple[str, str], ...]:
-    """W3C trace context of `span` as gRPC metadata."""
-    carrier: dict[str, str] = {}
-    inject(carrier, context=set_span_in_context(span))
-    return tuple(carrier.items())
 
 
 class Dispatcher:
@@ -124,14 +116,14 @@ class Dispatcher:
         while True:
             try:
                 # The worker list may come from Redis: a blocking call, kept off the event loop.
-                decision = await asyncio.to_thread(self.choose, prepared, exclude, parent)
+                decision = await off_loop(self.choose, prepared, exclude, parent)
             except NoWorkerError:
                 if attempt == 0:
                     raise
                 raise UpstreamError("the request failed and no other worker is live to retry it") from None
             yield decision  # for the gateway's trace and response headers; not a token
             emitted = False
-            self._add_load(decision, +1)
+            await off_loop(self._add_load, decision, +1)  # Redis: in a thread, never on the loop
             try:
                 # aclosing: when the consumer leaves early, the attempt's calls are cancelled now,
                 # not when the garbage collector finalizes the generator.
@@ -152,7 +144,7 @@ class Dispatcher:
                 exclude.add(failure.worker.worker_id)
                 attempt += 1
             finally:
-                self._add_load(decision, -1)
+                in_background(self._add_load, decision, -1)  # also while this task is being cancelled
 
     def _add_load(self, decision: Decision, sign: int) -> None:
         try:
@@ -186,7 +178,7 @@ class Dispatcher:
                         sampling=sampling,
                     ),
                     timeout=max(deadline - time.monotonic(), 0.001),
-                    metadata=metadata_of(span) + self.auth.metadata(),
+                    metadata=trace_metadata(span) + self.auth.metadata(),
                 )
                 span.set_attribute("lazyserve.kv_bytes_sent", reply.kv_bytes_sent)
                 span.set_attribute("lazyserve.aux_bytes_sent", reply.aux_bytes_sent)
@@ -205,7 +197,9 @@ class Dispatcher:
         span = tracer.start_span("decode", context=parent, kind=SpanKind.CLIENT)
         span.set_attribute("server.address", decision.decode.address)
         call = decode.Generate(
-            request, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata_of(span) + self.auth.metadata()
+            request,
+            timeout=max(deadline - time.monotonic(), 0.001),
+            metadata=trace_metadata(span) + self.auth.metadata(),
         )
         try:
             async for response in call:

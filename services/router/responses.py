@@ -30,8 +30,17 @@ from shared.models.text import Detokenizer
 class TextJob:
     """Consumes a dispatcher's events, yielding text deltas; afterwards holds the outcome."""
 
-    def __init__(self, events: AsyncIterator, tokenizer, prepared: Prepared, metrics: GatewayMetrics, start: float):
+    def __init__(
+        self,
+        events: AsyncIterator,
+        tokenizer,
+        prepared: Prepared,
+        metrics: GatewayMetrics,
+        start: float,
+        request_id: str,
+    ):
         self.events, self.prepared, self.metrics, self.start = events, prepared, metrics, start
+        self.request_id = request_id
         self.detokenizer = Detokenizer(tokenizer, prepared.stop)
         self.decision: Decision | None = None
         self.finish_reason = "length"
@@ -83,6 +92,32 @@ class TextJob:
     @property
     def text(self) -> str:
         return self.detokenizer.text
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Response headers: the request id and where it ran (the last attempt's workers)."""
+        decision = self.decision
+        return {
+            "x-request-id": self.request_id,
+            "x-lazyserve-route": decision.kind,
+            "x-lazyserve-decode": decision.decode.address,
+        }
+
+    def record(self, outcome: str, error: str | None = None) -> dict:
+        """The request's record fields (status, route, timings) for the Redis request log."""
+        decision, stats = self.decision, self.stats
+        return {
+            "outcome": outcome,
+            "route": decision and decision.kind,
+            "decode": decision and decision.decode.address,
+            "prefill": decision and decision.prefill and decision.prefill.address,
+            "prompt_tokens": len(self.prepared.ids),
+            "completion_tokens": stats.completion_tokens if stats else self.num_tokens,
+            "finish_reason": self.finish_reason if outcome == "ok" else None,
+            "ttft_s": self.ttft_s,
+            "e2e_s": time.monotonic() - self.start,
+            "error": error,
+        }
 
 
 def sse(payload: dict | str) -> str:

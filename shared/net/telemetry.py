@@ -4,7 +4,7 @@ Traces follow OpenTelemetry's standard environment: OTEL_TRACES_EXPORTER (otlp |
 OTEL_EXPORTER_OTLP_ENDPOINT / _PROTOCOL, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER... With no
 exporter configured, no SDK provider is installed and the API's no-op tracer costs nothing.
 W3C trace context rides HTTP headers (the gateway) and gRPC metadata (every internal call):
-`inject_metadata()` on the client side, `extract_context()` in servers.
+`trace_metadata()` on the client side, `extract_context()` in servers.
 
 Logs: one JSON object per line with the trace and span ids of the current span, so a log line
 can be found from a trace and back.
@@ -21,6 +21,7 @@ import time
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
+from opentelemetry.trace import set_span_in_context
 
 tracer = trace.get_tracer("lazyserve")
 _configured = False
@@ -63,11 +64,12 @@ def shutdown_tracing() -> None:
         provider.shutdown()
 
 
-def inject_metadata() -> list[tuple[str, str]]:
-    """The current context as gRPC metadata (traceparent, tracestate)."""
+def trace_metadata(span=None) -> tuple[tuple[str, str], ...]:
+    """W3C trace context as gRPC metadata (traceparent, tracestate): of `span` when given, else
+    the current context. The one place a client call carries its trace to a worker."""
     carrier: dict[str, str] = {}
-    inject(carrier)
-    return list(carrier.items())
+    inject(carrier, context=None if span is None else set_span_in_context(span))
+    return tuple(carrier.items())
 
 
 def extract_context(grpc_context) -> otel_context.Context:

@@ -162,3 +162,41 @@ def test_concurrent_acquires_on_two_replicas_never_overshoot_the_limit(redis_url
     assert reader.loads(STREAMS) == {}
     for workers in (*replicas, reader):
         workers.close()
+
+
+def test_a_stalled_redis_does_not_stall_a_running_stream(tiny_llama, decode_worker, gateway, registered, redis_url):
+    """Redis paused for 3 s (CLIENT PAUSE) while another stream ends, so the gateway must give back
+    its slot and load: those Redis calls wait in threads, and the running stream keeps flowing."""
+    worker, _ = decode_worker(tiny_llama)
+    registered(worker.address, ttl_s=10.0)
+    running = gateway(redis_url=redis_url)
+    ids = random_ids(tiny_llama, 20)
+    client = running.openai()
+    arrivals: list[float] = []
+    main = client.completions.create(model="m", prompt=ids, max_tokens=1800, stream=True)
+    other = client.completions.create(model="m", prompt=ids, max_tokens=1800, stream=True)
+    next(iter(other))
+
+    stop = threading.Event()
+
+    def read():
+        for _ in main:
+            arrivals.append(time.monotonic())
+            if stop.is_set():
+                break
+        main.close()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert wait_for(lambda: len(arrivals) > 20, timeout=20)
+    pauser = connect(redis_url)
+    paused_at = time.monotonic()
+    pauser.execute_command("CLIENT", "PAUSE", "3000", "ALL")
+    other.close()  # its end gives back a stream slot and decode load: Redis calls, now stalled
+    time.sleep(2.5)  # the window in which a blocking call on the event loop would stall `main`
+    during = [t for t in arrivals if paused_at <= t <= paused_at + 2.5]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    stop.set()
+    reader.join(timeout=10)
+    assert len(during) > 10, "the running stream stopped while Redis was paused"
+    assert max(gaps) < 1.0, f"the running stream stalled for {max(gaps):.2f} s"
