@@ -105,9 +105,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             cache, logits = prefill(self.model, ids, config, on_layer=on_layer)
             stats = Stats()
             fill_prefill_stats(stats, cache, time.perf_counter() - start)
-            stats.token_layers_computed = cache.computed_token_layers
-            stats.token_layers_full = self.model.spec.num_layers * len(ids)
-            stats.kv_cache_bytes, stats.aux_cache_bytes = cache.kv_bytes, cache.aux_bytes
             del cache  # the decode worker gets its own copy; this one is not needed past here
             sampler = Sampler(params)
             first_token = sampler(logits)

@@ -79,7 +79,7 @@ class TextJob:
                         break  # closing the events cancels generation downstream
                 elif isinstance(event, Finished):
                     self.finish_reason, self.stats = event.reason, event.stats
-        if not self.detokenizer.stopped and (rest := self.detokenizer.flush()):
+        if rest := self.detokenizer.flush():
             yield rest
         if self.stats is None:  # cut short by a stop string: the counts the gateway saw
             self.stats = Stats(prompt_tokens=len(self.prepared.ids), completion_tokens=self.num_tokens)

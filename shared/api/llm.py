@@ -45,17 +45,14 @@ class LLM(TextModel):
         completion = completion if completion is not None else Completion()
         detokenizer = Detokenizer(self.tokenizer, stop)
         tokens = stream(self.engine, ids, pruning, sampling, completion.generation)
+        # The same loop as the gateway's TextJob.deltas, over an in-process token stream.
         for token in tokens:
-            delta = detokenizer.add([token])
-            completion.text = detokenizer.text
+            if delta := detokenizer.add([token]):
+                yield delta
             if detokenizer.stopped:
                 completion.generation.finish_reason = "stop"
                 tokens.close()  # runs the generator's cleanup, so stats are filled
-                if delta:
-                    yield delta
-                return
-            if delta:
-                yield delta
+                break
         completion.text = detokenizer.text
         if rest := detokenizer.flush():
             yield rest

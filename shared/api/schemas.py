@@ -79,7 +79,10 @@ class Usage(BaseModel):
 
 
 class Metrics(BaseModel):
-    """lazyserve's extension: what pruning did for this request."""
+    """lazyserve's extension: what pruning did for this request. Its fields are Stats' (less the
+    token counts, which are `usage`) plus `pruning`; a test keeps the two in step."""
+
+    model_config = ConfigDict(extra="forbid")
 
     ttft_s: float
     decode_s: float

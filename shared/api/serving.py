@@ -99,20 +99,13 @@ def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) 
     return Prepared(ids, sampling, pruning, label, request.stop_strings)
 
 
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
+
+
 def metrics_of(stats: Stats, pruning_label: str) -> Metrics:
-    return Metrics(
-        ttft_s=stats.ttft_s,
-        decode_s=stats.decode_s,
-        token_layers_computed=stats.token_layers_computed,
-        token_layers_full=stats.token_layers_full,
-        computed_fraction=stats.computed_fraction,
-        prefill_token_layers=stats.prefill_token_layers,
-        revived_token_layers=stats.revived_token_layers,
-        kept_per_layer=stats.kept_per_layer,
-        kv_cache_bytes=stats.kv_cache_bytes,
-        aux_cache_bytes=stats.aux_cache_bytes,
-        pruning=pruning_label,
-    )
+    """Stats as the response's `metrics`: every field but the token counts (those are `usage`)."""
+    figures = {name: value for name, value in stats.to_dict().items() if name not in USAGE_FIELDS}
+    return Metrics(**figures, pruning=pruning_label)
 
 
 def usage_of(stats: Stats) -> Usage:

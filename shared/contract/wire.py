@@ -6,6 +6,8 @@ is a FrameError whose message says which field was wrong.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pydantic import ValidationError
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
@@ -119,30 +121,25 @@ def check_token_ids(ids, vocab_size: int, name: str) -> None:
         raise FrameError(f"{name}: token id {bad[0]} is outside the vocabulary of {vocab_size}")
 
 
-STAT_FIELDS = (
-    "prompt_tokens",
-    "completion_tokens",
-    "ttft_s",
-    "decode_s",
-    "prefill_token_layers",
-    "token_layers_computed",
-    "token_layers_full",
-    "revived_token_layers",
-    "kv_cache_bytes",
-    "aux_cache_bytes",
-)
+# Stats is the one definition of a generation's figures: the proto message carries each field
+# under the same name (tests/unit/transfer/test_stats_fields.py fails when one side lacks one).
+STAT_FIELDS = tuple(field.name for field in dataclasses.fields(Stats))
 
 
 def stats_to_pb(stats: Stats) -> pb.GenerationStats:
-    message = pb.GenerationStats(**{name: getattr(stats, name) for name in STAT_FIELDS})
-    message.kept_per_layer.extend(stats.kept_per_layer)
+    message = pb.GenerationStats()
+    for name in STAT_FIELDS:
+        value = getattr(stats, name)
+        if isinstance(value, list):
+            getattr(message, name).extend(value)
+        else:
+            setattr(message, name, value)
     return message
 
 
 def stats_from_pb(message: pb.GenerationStats) -> Stats:
-    stats = Stats(**{name: getattr(message, name) for name in STAT_FIELDS})
-    stats.kept_per_layer = list(message.kept_per_layer)
-    return stats
+    values = {name: getattr(message, name) for name in STAT_FIELDS}
+    return Stats(**{name: value if isinstance(value, int | float) else list(value) for name, value in values.items()})
 
 
 def _first_line(error: Exception) -> str:

@@ -151,10 +151,14 @@ def decode_tokens(
 
 
 def fill_prefill_stats(stats: Stats, cache: LazyCache, ttft_s: float) -> None:
+    """Everything a finished prefill reports: its time, the prompt, the schedule as honoured, and
+    the cache's work and memory (refreshed by decode when it ends). The one place for it: the
+    in-process stream, the decode worker's local prefill and the prefill worker all call this."""
     stats.ttft_s = ttft_s
     stats.prompt_tokens = cache.num_prompt
     stats.prefill_token_layers = cache.computed_token_layers
     stats.kept_per_layer = list(cache.kept_per_layer)
+    fill_cache_stats(stats, cache, cache.spec.num_layers)
 
 
 def stream(

@@ -118,8 +118,8 @@ class Detokenizer:
         return self._take(safe)
 
     def flush(self) -> str:
-        """The held-back rest, once no more tokens come."""
-        return self._take(len(self.text))
+        """The held-back rest, once no more tokens come ('' after a stop string: nothing follows it)."""
+        return "" if self.stopped else self._take(len(self.text))
 
     def _take(self, end: int) -> str:
         if end <= self.emitted:
