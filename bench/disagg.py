@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.prefill.actor import actor_addresses, ensure_ray, launch_prefill_actors
     from services.prefill.settings import PrefillSettings
-    from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
+    from services.router.client import DecodeClient, PrefillClient, run_disaggregated
     from shared.contract import default_pruning
     from shared.engine import OFF, SamplingParams
     from shared.models.weights import load_model
@@ -136,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"{length} tokens, {mode}: done", flush=True)
     finally:
-        prefill.close()
         decode.close()
         decode_process.terminate()
         decode_process.wait(timeout=30)

@@ -6,7 +6,8 @@ import logging
 
 import redis
 
-from services.router.dispatch import DeadlineError, UpstreamError
+from services.router.client import UpstreamError
+from services.router.dispatch import DeadlineError
 from services.router.policy import NoWorkerError
 from shared.api.schemas import ErrorBody
 from shared.api.serving import RequestError

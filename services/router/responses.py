@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from services.router.dispatch import Finished, Tokens
+from services.router.client import Finished, Tokens
 from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision
 from shared.api.schemas import (

@@ -12,7 +12,7 @@ import pytest
 
 from services.decode.server import start_decode_worker
 from services.decode.settings import DecodeSettings
-from services.router.disagg import DecodeClient
+from services.router.client import DecodeClient
 
 
 @pytest.fixture

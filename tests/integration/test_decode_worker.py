@@ -11,7 +11,7 @@ from conftest import wait_for
 from helpers import encode_transfer, random_ids
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
-from services.router.disagg import run_local
+from services.router.client import run_local
 from shared.engine import OFF, PruneConfig, SamplingParams, generate
 from shared.net import rpc
 from shared.transfer.tensors import frame_checksum

@@ -11,7 +11,7 @@ import pytest
 from conftest import wait_for
 from helpers import random_ids
 
-from services.router.disagg import DecodeClient
+from services.router.client import DecodeClient
 from shared.api.llm import LLM, respond
 from shared.api.serving import CHAT_URL, COMPLETIONS_URL, choice_text
 

@@ -14,7 +14,7 @@ from helpers import encode_transfer, random_ids
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
-from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
+from services.router.client import DecodeClient, PrefillClient, run_disaggregated
 from shared.engine import OFF, PruneConfig, SamplingParams, generate
 from shared.net import rpc
 from shared.net.certs import INTERNAL_NAME, make_dev_certs

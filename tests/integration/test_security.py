@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
-from services.router.disagg import DecodeClient, PrefillClient, run_disaggregated
+from services.router.client import DecodeClient, PrefillClient, run_disaggregated
 from shared.engine import OFF, PruneConfig, SamplingParams, generate
 from shared.net import rpc
 from shared.net.transport import MAX_MESSAGE_BYTES, NO_AUTH, InternalAuth

@@ -1,0 +1,234 @@
+"""The one client of the worker services: a request's calls to a prefill and a decode worker.
+
+`generate_on` runs one attempt: with a prefill worker, Prefill (which streams the KV to the decode
+worker) then Generate on the transfer; without one, Generate with the prompt, prefilled by the
+decode worker. It yields Prefilled (the prefill reply), Tokens as they arrive, and one Finished;
+a failed call is a WorkerFailed that names the worker to blame. The dispatcher (routing, retries)
+runs it for the gateway; `run_disaggregated` / `run_local` run it to the end for tests and
+benchmarks, with the same rules (the first token travels in the prefill reply unless it is a stop
+token). Closing the iterator cancels the calls, and the decode worker frees the sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from proto.lazyserve.v1 import lazyserve_pb2 as pb
+from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
+from shared.contract import PruneConfig, SamplingParams, Stats
+from shared.contract.wire import pruning_to_pb, sampling_to_pb, stats_from_pb
+from shared.net.registry import WorkerInfo
+from shared.net.telemetry import trace_metadata, tracer
+from shared.net.transport import NO_AUTH, InternalAuth
+
+
+@dataclass
+class Prefilled:
+    reply: pb.PrefillReply
+
+
+@dataclass
+class Tokens:
+    ids: list[int]
+
+
+@dataclass
+class Finished:
+    reason: str
+    stats: Stats
+
+
+class WorkerFailed(Exception):
+    """A call to `worker` failed with `error` (which worker decides what a retry avoids)."""
+
+    def __init__(self, worker: WorkerInfo, error: grpc.aio.AioRpcError):
+        super().__init__(error.details())
+        self.worker, self.error = worker, error
+
+
+class UpstreamError(Exception):
+    """Workers failed the request (503 before the first token; an error event after)."""
+
+
+class Channels:
+    """One channel per worker address, with the stack's internal credentials."""
+
+    def __init__(self, auth: InternalAuth = NO_AUTH):
+        self.auth = auth
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = self.auth.aio_channel(address)
+        return self._channels[address]
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+async def generate_on(
+    channels: Channels,
+    decode: WorkerInfo,
+    prefill: WorkerInfo | None,
+    ids: list[int],
+    pruning: PruneConfig,
+    sampling: SamplingParams,
+    request_id: str,
+    deadline: float,
+    parent: otel_context.Context | None = None,
+) -> AsyncIterator[Prefilled | Tokens | Finished]:
+    """One attempt at a request on these workers (deadline: time.monotonic() based)."""
+    pruning_pb, sampling_pb = pruning_to_pb(pruning), sampling_to_pb(sampling)
+    metadata = channels.auth.metadata()
+    if prefill is None:
+        request = pb.GenerateRequest(
+            request_id=request_id, prompt=pb.LocalPrompt(prompt_ids=ids, pruning=pruning_pb, sampling=sampling_pb)
+        )
+    else:
+        transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        stub = pb_grpc.PrefillServiceStub(channels.get(prefill.address))
+        span = tracer.start_span("prefill", context=parent, kind=SpanKind.CLIENT)
+        span.set_attribute("lazyserve.transfer_id", transfer_id)
+        span.set_attribute("server.address", prefill.address)
+        try:
+            reply = await stub.Prefill(
+                pb.PrefillRequest(
+                    transfer_id=transfer_id,
+                    decode_address=decode.address,
+                    prompt_ids=ids,
+                    pruning=pruning_pb,
+                    sampling=sampling_pb,
+                ),
+                timeout=max(deadline - time.monotonic(), 0.001),
+                metadata=trace_metadata(span) + metadata,
+            )
+            span.set_attribute("lazyserve.kv_bytes_sent", reply.kv_bytes_sent)
+            span.set_attribute("lazyserve.aux_bytes_sent", reply.aux_bytes_sent)
+            span.set_attribute("lazyserve.stream_bytes", reply.bytes_sent)
+        except grpc.aio.AioRpcError as error:
+            span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))
+            # The prefill worker names a failed transfer in its message; blame the right side.
+            to_decode = "KV transfer to decode worker" in (error.details() or "")
+            raise WorkerFailed(decode if to_decode else prefill, error) from None
+        finally:
+            span.end()
+        yield Prefilled(reply)
+        # The first token may be a stop token; Generate then ends at once with "stop".
+        if reply.first_token not in sampling.stop_token_ids:
+            yield Tokens([reply.first_token])
+        request = pb.GenerateRequest(request_id=request_id, transfer_id=transfer_id)
+    span = tracer.start_span("decode", context=parent, kind=SpanKind.CLIENT)
+    span.set_attribute("server.address", decode.address)
+    stub = pb_grpc.DecodeServiceStub(channels.get(decode.address))
+    call = stub.Generate(
+        request, timeout=max(deadline - time.monotonic(), 0.001), metadata=trace_metadata(span) + metadata
+    )
+    try:
+        async for response in call:
+            if response.token_ids:
+                yield Tokens(list(response.token_ids))
+            if response.finish_reason:
+                yield Finished(response.finish_reason, stats_from_pb(response.stats))
+                return
+        raise UpstreamError(f"decode worker {decode.address} ended the stream without finishing")
+    except grpc.aio.AioRpcError as error:
+        span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))
+        raise WorkerFailed(decode, error) from None
+    finally:
+        call.cancel()  # no-op once finished; frees the sequence when the consumer left early
+        span.end()
+
+
+# ---------------------------------------------------------------------- to the end, for tests and benchmarks
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    stats: Stats = field(default_factory=Stats)
+    ttft_s: float = 0.0  # request sent -> first token known to the caller
+    total_s: float = 0.0
+    prefill: pb.PrefillReply | None = None  # None when the decode worker prefilled itself
+
+
+class DecodeClient:
+    """Blocking stubs of one decode worker, for status and raw calls (tests, benchmarks, tools)."""
+
+    def __init__(self, address: str, auth: InternalAuth = NO_AUTH):
+        self.address, self.auth = address, auth
+        self.channel = auth.channel(address)
+        self.stub = pb_grpc.DecodeServiceStub(self.channel)
+        self.metadata = auth.metadata()
+
+    def generate(self, request: pb.GenerateRequest, timeout: float | None = None):
+        """The raw Generate stream (a test's view of the protocol)."""
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+
+    def status(self, timeout: float = 5.0) -> pb.WorkerStatus:
+        return self.stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class PrefillClient:
+    """Where one prefill worker is and how to reach it."""
+
+    def __init__(self, address: str, auth: InternalAuth = NO_AUTH):
+        self.address, self.auth = address, auth
+
+
+def _worker(role: str, address: str) -> WorkerInfo:
+    return WorkerInfo(worker_id=f"{role}@{address}", role=role, address=address, model="")
+
+
+def run_disaggregated(
+    prefill: PrefillClient,
+    decode: DecodeClient,
+    ids: list[int],
+    config: PruneConfig,
+    params: SamplingParams,
+    timeout: float = 300.0,
+) -> Result:
+    """Prefill on one worker, KV to the other, generate there, through generate_on: tokens
+    include the first. A failed call raises that call's grpc error."""
+    workers = _worker("decode", decode.address), _worker("prefill", prefill.address)
+    return asyncio.run(_run(*workers, ids, config, params, decode.auth, timeout))
+
+
+def run_local(
+    decode: DecodeClient, ids: list[int], config: PruneConfig, params: SamplingParams, timeout: float = 300.0
+) -> Result:
+    """A prompt prefilled by the decode worker itself: no transfer."""
+    return asyncio.run(_run(_worker("decode", decode.address), None, ids, config, params, decode.auth, timeout))
+
+
+async def _run(decode, prefill, ids, config, params, auth, timeout) -> Result:
+    channels, result, start = Channels(auth), Result(), time.perf_counter()
+    try:
+        events = generate_on(
+            channels, decode, prefill, list(ids), config, params, uuid.uuid4().hex, time.monotonic() + timeout
+        )
+        async for event in events:
+            if isinstance(event, Prefilled):
+                result.prefill = event.reply
+            elif isinstance(event, Tokens):
+                result.ttft_s = result.ttft_s or time.perf_counter() - start
+                result.tokens.extend(event.ids)
+            else:
+                result.finish_reason, result.stats = event.reason, event.stats
+    except WorkerFailed as failure:
+        raise failure.error from None
+    finally:
+        await channels.close()
+    result.total_s = time.perf_counter() - start
+    return result
