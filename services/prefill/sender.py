@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -25,6 +26,29 @@ from shared.transfer import frame_messages, payload_bytes
 _CLOSE = object()
 
 EndMaker = Callable[[int], pb.TransferMessage]  # number of frames sent -> the TransferEnd message
+
+
+class Sender(Protocol):
+    """What the prefill servicer needs of a transfer's sending side (SGLang's disaggregation has the
+    same seam): KVSender streams to a decode worker over gRPC; tests put a fake in its place."""
+
+    num_frames: int
+    kv_bytes: int
+    aux_bytes: int
+    bytes_sent: int
+
+    def put(self, frame: LayerFrame) -> None:
+        """Queue a finished layer; raises if the transfer already failed."""
+
+    def finish(self, make_end: EndMaker) -> pb.PushKVReply:
+        """Send the end; returns once the receiver holds the whole transfer."""
+
+    def abort(self) -> None:
+        """Stop sending; safe to call more than once."""
+
+
+# address, header, frame_bytes, queue_layers, timeout_s, auth -> a Sender
+SenderFactory = Callable[[str, pb.TransferMessage, int, int, float, InternalAuth], Sender]
 
 
 class KVSender:

@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanKind
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
-from services.prefill.sender import KVSender
+from services.prefill.sender import KVSender, SenderFactory
 from services.prefill.settings import PrefillSettings
 from shared.contract import preset
 from shared.contract.wire import prompt_from_pb
@@ -41,8 +41,9 @@ class PrefillCounters:
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
-    def __init__(self, loaded: LoadedModel, settings: PrefillSettings):
+    def __init__(self, loaded: LoadedModel, settings: PrefillSettings, sender: SenderFactory = KVSender):
         self.loaded, self.model, self.settings = loaded, loaded.engine, settings
+        self.sender = sender  # how a transfer reaches its decode worker
         self.auth = settings.internal_auth()  # its channels to decode workers use the same credentials
         self.counters = PrefillCounters()
         self._slots = threading.Semaphore(settings.max_concurrent_prefills)
@@ -88,7 +89,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         s = self.settings
         ids = torch.tensor(list(request.prompt_ids), dtype=torch.long)
         header = header_message(request.transfer_id, self.loaded.name, self.model.spec, self.model.dtype, len(ids))
-        sender = KVSender(
+        sender = self.sender(
             request.decode_address, header, s.frame_bytes, s.send_queue_layers, deadline - time.monotonic(), self.auth
         )
 

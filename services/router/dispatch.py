@@ -48,9 +48,11 @@ class Dispatcher:
         metrics: GatewayMetrics,
         retries: int,
         auth: InternalAuth = NO_AUTH,
+        attempt=generate_on,
     ):
         self.workers, self.policy, self.text, self.metrics, self.retries = workers, policy, text, metrics, retries
         self.channels = Channels(auth)
+        self.attempt = attempt  # client.generate_on; the retry tests give a scripted one
 
     async def close(self) -> None:
         await self.channels.close()
@@ -92,7 +94,7 @@ class Dispatcher:
             try:
                 # aclosing: when the consumer leaves early, the attempt's calls are cancelled now,
                 # not when the garbage collector finalizes the generator.
-                attempt_events = generate_on(
+                attempt_events = self.attempt(
                     self.channels,
                     decision.decode,
                     decision.prefill,
