@@ -119,6 +119,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         started.append(sequence)
         context.add_callback(sequence.cancelled.set)  # runs when the call ends, cancelled or not
         self.scheduler.submit(sequence)
+        first = True
         while True:
             tokens, end = [], None
             kind, value = sequence.outbox.get()
@@ -133,7 +134,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 except queue.Empty:  # send what has been made so far
                     break
             if end is None:
-                yield pb.GenerateResponse(token_ids=tokens)
+                response = pb.GenerateResponse(token_ids=tokens)
+                if first:  # the prefill's figures, for a caller that stops early (a stop string)
+                    response.stats.CopyFrom(stats_to_pb(sequence.generation.stats))
+                    first = False
+                yield response
                 continue
             kind, detail = end
             if kind == FAILED:

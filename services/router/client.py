@@ -38,6 +38,7 @@ class Prefilled:
 @dataclass
 class Tokens:
     ids: list[int]
+    stats: Stats | None = None  # on the decode worker's first response: the prefill's figures
 
 
 @dataclass
@@ -125,7 +126,7 @@ async def generate_on(
         yield Prefilled(reply)
         # The first token may be a stop token; Generate then ends at once with "stop".
         if reply.first_token not in sampling.stop_token_ids:
-            yield Tokens([reply.first_token])
+            yield Tokens([reply.first_token], stats_from_pb(reply.stats))
         request = pb.GenerateRequest(request_id=request_id, transfer_id=transfer_id)
     span = tracer.start_span("decode", context=parent, kind=SpanKind.CLIENT)
     span.set_attribute("server.address", decode.address)
@@ -135,11 +136,14 @@ async def generate_on(
     )
     try:
         async for response in call:
-            if response.token_ids:
-                yield Tokens(list(response.token_ids))
             if response.finish_reason:
+                if response.token_ids:
+                    yield Tokens(list(response.token_ids))
                 yield Finished(response.finish_reason, stats_from_pb(response.stats))
                 return
+            if response.token_ids:
+                stats = stats_from_pb(response.stats) if response.HasField("stats") else None
+                yield Tokens(list(response.token_ids), stats)
         raise UpstreamError(f"decode worker {decode.address} ended the stream without finishing")
     except grpc.aio.AioRpcError as error:
         span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))

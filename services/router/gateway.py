@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 import weakref
@@ -58,6 +59,15 @@ def static_workers(settings: GatewaySettings, model: str) -> StaticWorkers:
         WorkerInfo(worker_id=f"decode@{a}", role="decode", address=a, model=model) for a in settings.decode_workers
     ]
     return StaticWorkers(workers)
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def request_id_of(request: Request) -> str:
+    """The client's X-Request-Id when it is a plain token (it is echoed and logged), else a new one."""
+    given = request.headers.get("x-request-id", "")
+    return given if _REQUEST_ID.fullmatch(given) else f"req-{uuid.uuid4().hex[:16]}"
 
 
 class Gateway:
@@ -110,8 +120,8 @@ class Gateway:
         app.post(CHAT_URL)(self.chat_completions)
         app.post(COMPLETIONS_URL)(self.completions)
         app.get("/v1/models")(self.models)
-        app.get("/health")(self.health)
-        app.get("/ready")(self.ready)
+        app.api_route("/health", methods=["GET", "HEAD"])(self.health)  # HEAD: what load balancers probe
+        app.api_route("/ready", methods=["GET", "HEAD"])(self.ready)
         app.get("/metrics")(self.prometheus)
         return app
 
@@ -184,7 +194,7 @@ class Gateway:
         streaming = False  # once true, the stream's body gives the slot back
         try:
             start = time.monotonic()
-            request_id = f"req-{uuid.uuid4().hex[:16]}"
+            request_id = request_id_of(request)
             span.set_attribute("gen_ai.response.id", request_id)
             deadline = start + self.settings.request_timeout_s
             events = self.dispatcher.run(prepared, request_id, deadline, context_of(span))

@@ -5,6 +5,7 @@ The text side (detokenizing, stop strings) lives here, in the gateway: workers d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -45,6 +46,7 @@ class TextJob:
         self.decision: Decision | None = None
         self.finish_reason = "length"
         self.stats: Stats | None = None
+        self.partial_stats: Stats | None = None  # the prefill's figures, sent with the first tokens
         self.num_tokens = 0
         self.ttft_s: float | None = None
 
@@ -63,6 +65,8 @@ class TextJob:
                 if isinstance(event, Decision):  # a retry chose again
                     self.decision = event
                 elif isinstance(event, Tokens):
+                    if event.stats is not None:
+                        self.partial_stats = event.stats
                     now = time.monotonic()
                     if last is None:
                         self.ttft_s = now - self.start
@@ -81,8 +85,10 @@ class TextJob:
                     self.finish_reason, self.stats = event.reason, event.stats
         if rest := self.detokenizer.flush():
             yield rest
-        if self.stats is None:  # cut short by a stop string: the counts the gateway saw
-            self.stats = Stats(prompt_tokens=len(self.prepared.ids), completion_tokens=self.num_tokens)
+        if self.stats is None:  # cut short by a stop string: the prefill's figures, the counts seen here
+            self.stats = dataclasses.replace(
+                self.partial_stats or Stats(), prompt_tokens=len(self.prepared.ids), completion_tokens=self.num_tokens
+            )
         self.metrics.e2e.observe(time.monotonic() - self.start)
         self.metrics.prompt_tokens.inc(self.stats.prompt_tokens)
         self.metrics.completion_tokens.inc(self.stats.completion_tokens)
@@ -148,7 +154,7 @@ async def stream_events(job: TextJob, request, model: str, include_usage: bool, 
                 else [CompletionChunkChoice(text=delta or "", finish_reason=finish)]
             )
             body = CompletionChunk(**base, choices=choices, usage=usage, metrics=metrics)
-        return sse(body.model_dump(exclude_none=True) if not chat else _chat_dump(body))
+        return sse(_chunk_dump(body))
 
     try:
         if chat:
@@ -167,9 +173,11 @@ async def stream_events(job: TextJob, request, model: str, include_usage: bool, 
     yield sse("[DONE]")
 
 
-def _chat_dump(body: ChatCompletionChunk) -> dict:
-    # delta keeps `content` only when set, finish_reason stays (null until the end), as OpenAI sends.
+def _chunk_dump(body: ChatCompletionChunk | CompletionChunk) -> dict:
+    # Optional top-level fields (usage, metrics) appear only when set; each choice keeps OpenAI's
+    # exact keys: `finish_reason` and `logprobs` stay, null until the end; a chat delta keeps
+    # `content` only when set.
     data = body.model_dump(exclude_none=True)
     for choice, model in zip(data["choices"], body.choices):
-        choice["finish_reason"] = model.finish_reason
+        choice["finish_reason"], choice["logprobs"] = model.finish_reason, None
     return data

@@ -9,26 +9,40 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from shared.contract import PRESET_NAMES, PruneConfig
 
 PruningField = Literal[PRESET_NAMES] | PruneConfig
 
 
+def _encodable(text: str) -> str:
+    """A string the tokenizer and the response can carry: no lone surrogate (JSON allows "\ud800";
+    UTF-8 does not), which would otherwise fail deep inside tokenizing or writing the response."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("contains a lone surrogate (an unpaired \\ud800-\\udfff escape); send valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    # Strict where a JSON client could be misread: `"stream": "yes"` or `"max_tokens": true` is a 400.
+    model: Text | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="only n=1 is served")
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="any 64-bit integer, signed or not")
-    stop: str | list[str] | None = None
-    stream: bool = False
+    n: StrictInt = Field(1, ge=1, le=1, description="only n=1 is served")
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64, description="any 64-bit integer, signed or not")
+    stop: Text | list[Text] | None = None
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     pruning: PruningField | None = Field(
         None, description="a preset name or a schedule; absent: the server's default preset (pruning_preset)"
@@ -51,12 +65,12 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: Text
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -64,8 +78,8 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    prompt: Text | list[StrictInt]
+    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default for completions
 
     @property
     def requested_max_tokens(self) -> int | None:

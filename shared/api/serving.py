@@ -35,12 +35,40 @@ class RequestError(Exception):
         self.status_code, self.message, self.param, self.code = status_code, message, param, code
 
 
+# Parts of a pydantic error location that name a union branch or a validator, not a field.
+_BRANCH_TYPES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc: tuple) -> str:
+    """`pruning.function-after[_check_mode(), PruneConfig].stages` -> `pruning.stages`."""
+    parts = [
+        str(part)
+        for part in loc
+        if isinstance(part, int) or not ("[" in part or "(" in part or part.lower() in _BRANCH_TYPES)
+    ]
+    return ".".join(parts)
+
+
+def _errors(error: ValidationError) -> list[tuple[str, str]]:
+    """(field path, message) pairs, without a union branch's complaint about a field when another
+    branch got further into it (`pruning: should be 'off', ...` when the schedule's seed was wrong)."""
+    found = [(_field_path(item["loc"]), item["msg"]) for item in error.errors()]
+    deeper = lambda path: any(other.startswith(path + ".") for other, _ in found)  # noqa: E731
+    kept = []
+    for path, message in found:
+        if not (path and deeper(path)) and (path, message) not in kept:
+            kept.append((path, message))
+    return kept
+
+
 def validation_message(error: ValidationError) -> str:
-    parts = []
-    for item in error.errors():
-        where = ".".join(str(p) for p in item["loc"]) or "body"
-        parts.append(f"{where}: {item['msg']}")
-    return "; ".join(parts)
+    return "; ".join(f"{path or 'body'}: {message}" for path, message in _errors(error))
+
+
+def validation_param(error: ValidationError) -> str | None:
+    """OpenAI's `param`: the field at fault."""
+    errors = _errors(error)
+    return (errors[0][0] or None) if errors else None
 
 
 def parse_request(url: str, body: dict) -> ChatCompletionRequest | CompletionRequest:
@@ -50,7 +78,7 @@ def parse_request(url: str, body: dict) -> ChatCompletionRequest | CompletionReq
     try:
         return kinds[url].model_validate(body)
     except ValidationError as error:
-        raise RequestError(400, validation_message(error)) from None
+        raise RequestError(400, validation_message(error), param=validation_param(error)) from None
 
 
 @dataclass

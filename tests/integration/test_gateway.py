@@ -219,3 +219,62 @@ def test_a_failure_after_tokens_is_an_error_event(tiny_llama, decode_worker, gat
         for _ in chunks:
             pass
     assert "failed" in str(error.value.message) or "UNAVAILABLE" in str(error.value.message)
+
+
+@pytest.mark.parametrize(
+    ("url", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800 hi"}]}, "messages.0.content"),
+        ("/v1/completions", {"prompt": "\udfff"}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "model": "\ud800"}, "model"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["ok", "\ud800"]}, "stop.1"),
+        ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "pruning": {"mode": "lazy", "stages": [[1, 0.5]], "seed": -1}},
+            "pruning.seed",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "pruning": {"mode": "lazy", "stages": [[1, 0.5]], "seed": 2**64}},
+            "pruning.seed",
+        ),
+    ],
+)
+def test_inputs_that_gave_500s_get_a_400_naming_the_field(stack, url, body, param):
+    running, _ = stack
+    raw = json.dumps(body)  # json.dumps writes a lone surrogate as its \ud800 escape, as clients send it
+    reply = httpx.post(running.url + url, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and "function-after" not in error["message"]
+
+
+def test_request_id_is_honoured_and_health_answers_head(stack, tiny_llama):
+    running, _ = stack
+    body = {"prompt": random_ids(tiny_llama, 10), "max_tokens": 2}
+    reply = httpx.post(f"{running.url}/v1/completions", json=body, headers={"x-request-id": "client-42"}, timeout=30)
+    assert reply.headers["x-request-id"] == "client-42"
+    odd = httpx.post(f"{running.url}/v1/completions", json=body, headers={"x-request-id": "bad id\t!"}, timeout=30)
+    assert odd.headers["x-request-id"].startswith("req-")
+    assert httpx.head(f"{running.url}/health", timeout=10).status_code == 200
+
+
+def test_a_stop_string_keeps_the_metrics_and_chunks_keep_openais_keys(stack, tiny_llama):
+    running, _ = stack
+    prompt = random_ids(tiny_llama, LONG_PROMPT_TOKENS)  # disaggregated: prefill figures from the transfer
+    client = running.openai()
+    full = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    metrics = cut.model_extra["metrics"]
+    assert metrics["ttft_s"] > 0 and len(metrics["kept_per_layer"]) == tiny_llama.engine.spec.num_layers
+    body = {"prompt": prompt[:20], "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            assert {"index", "text", "finish_reason", "logprobs"} <= choice.keys()
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][:-1] == [None] * (len(chunks) - 1)

@@ -133,3 +133,12 @@ def test_cli_end_to_end(tmp_path):
     assert len(out) == 2 and out[0]["error"] is None and out[1]["error"] is not None
     assert "1 succeeded, 1 failed" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_inputs_that_gave_500s_are_400_lines(llm, tmp_path):
+    bad_seed = {"stages": [[1, 0.5]], "seed": -1}
+    out = _run(llm, tmp_path, [_chat("surrogate", content="\ud800 hi"), _chat("seed", pruning=bad_seed), _chat("ok")])
+    assert [line["custom_id"] for line in out] == ["surrogate", "seed", "ok"]
+    assert [line["response"]["status_code"] for line in out] == [400, 400, 200]
+    assert "lone surrogate" in out[0]["response"]["body"]["error"]["message"]
+    assert "pruning.seed" in out[1]["response"]["body"]["error"]["message"]
