@@ -136,6 +136,7 @@ def up(
             f'    -d \'{{"messages": [{{"role": "user", "content": "Say hello"}}], "max_tokens": 32}}\'\n\n'
             f"  metrics: {url}/metrics   health: {url}/health\n",
             highlight=False,
+            soft_wrap=True,  # never wrapped at the console's width: the example must paste as it is
         )
         while not stop.wait(0.5):
             dead = [name for name, process in stack.processes if process.poll() is not None]

@@ -92,6 +92,7 @@ class Gateway:
         policy = make_policy(settings.routing, settings.local_threshold)
         self.dispatcher = Dispatcher(workers, policy, text, self.metrics, settings.retries, settings.internal_auth())
         self.admission = Admission(workers, self.metrics, settings.max_in_flight, settings.max_streams_per_key)
+        self.model_names = list(dict.fromkeys([text.name, *settings.served_model_names]))
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ app and routes
@@ -120,6 +121,7 @@ class Gateway:
         app.post(CHAT_URL)(self.chat_completions)
         app.post(COMPLETIONS_URL)(self.completions)
         app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model_id:path}")(self.model)
         app.api_route("/health", methods=["GET", "HEAD"])(self.health)  # HEAD: what load balancers probe
         app.api_route("/ready", methods=["GET", "HEAD"])(self.ready)
         app.get("/metrics")(self.prometheus)
@@ -136,7 +138,21 @@ class Gateway:
             await self.authorize(request)
         except Exception as error:
             return self.error_response(error)
-        return ModelList(data=[ModelCard(id=self.text.name)]).model_dump()
+        return ModelList(data=[ModelCard(id=name) for name in self.model_names]).model_dump()
+
+    async def model(self, request: Request, model_id: str):
+        try:
+            await self.authorize(request)
+            self.check_model(model_id)
+        except Exception as error:
+            return self.error_response(error)
+        return ModelCard(id=model_id).model_dump()
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model this gateway does not serve (an absent name means the one it serves)."""
+        if name is not None and name not in self.model_names:
+            served = ", ".join(self.model_names)
+            raise RequestError(404, f"model {name!r} does not exist here; served: {served}", "model", "model_not_found")
 
     async def health(self):
         return {"status": "ok"}
@@ -188,6 +204,7 @@ class Gateway:
         """Check, admit and route a request; the response that runs it to the end."""
         caller = await self.authorize(request)
         parsed = parse_request(url, await self.read_body(request))
+        self.check_model(parsed.model)
         prepared = await off_loop(prepare, self.text, parsed)  # tokenizing is CPU work
         annotate_request(span, prepared, self.text.spec.num_layers)
         slot = await self.admission.admit(caller)
@@ -257,7 +274,9 @@ class Gateway:
         if job.stats is not None:
             annotate_stats(span, job.stats)
         span.set_attribute("gen_ai.response.finish_reasons", [job.finish_reason])
-        response = build_response(self.text.name, parsed, job.prepared, job.text, job.finish_reason, job.stats)
+        response = build_response(
+            parsed.model or self.text.name, parsed, job.prepared, job.text, job.finish_reason, job.stats
+        )
         return JSONResponse(response.model_dump(), headers=job.headers)  # after a retry: where it really ran
 
     # ------------------------------------------------------------------ pieces

@@ -52,8 +52,11 @@ class GatewaySettings(InternalAuthSettings):
     max_body_bytes: int = Field(4 << 20, ge=1024)
     retries: int = Field(1, ge=0, description="retries on another worker before the first token")
     request_record_ttl_s: int = Field(86400, ge=1, description="Redis mode: how long request records are kept")
+    served_model_names: AddressList = Field(
+        default_factory=list, description="names (aliases) the model answers to besides its own; others get 404"
+    )
 
-    @field_validator("prefill_workers", "decode_workers", "api_keys", mode="before")
+    @field_validator("prefill_workers", "decode_workers", "api_keys", "served_model_names", mode="before")
     @classmethod
     def _lists(cls, value):
         return _split(value)

@@ -34,7 +34,7 @@ def test_a_decode_worker_killed_mid_stream(tiny_llama, gateway, redis_url, flush
         running = gateway(redis_url=redis_url)
         client = running.openai()
         raw = client.completions.with_raw_response.create(
-            model="m", prompt=random_ids(tiny_llama, 30), max_tokens=1900, stream=True
+            model="tiny-llama", prompt=random_ids(tiny_llama, 30), max_tokens=1900, stream=True
         )
         victim = raw.headers["x-lazyserve-decode"]
         chunks = iter(raw.parse())
@@ -50,13 +50,13 @@ def test_a_decode_worker_killed_mid_stream(tiny_llama, gateway, redis_url, flush
         # Still registered for up to its TTL: requests sent there now fail before their first token
         # and are retried on the live worker.
         for _ in range(4):
-            reply = client.completions.with_raw_response.create(model="m", prompt=[1, 2, 3], max_tokens=2)
+            reply = client.completions.with_raw_response.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=2)
             assert reply.parse().usage.completion_tokens == 2
         alive = [a for a in workers if a != victim]
         assert wait_for(lambda: [w.address for w in list_workers(connect(redis_url))] == alive, timeout=4)
         gone = time.monotonic() - started
         print(f"\ndecode worker SIGKILLed: error event after {ended:.2f} s, out of the registry after {gone:.2f} s")
-        reply = client.completions.with_raw_response.create(model="m", prompt=[1, 2, 3], max_tokens=2)
+        reply = client.completions.with_raw_response.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=2)
         assert reply.headers["x-lazyserve-decode"] == alive[0]
     finally:
         for process in workers.values():
@@ -76,14 +76,14 @@ def test_a_killed_prefill_actor_is_restarted_and_no_request_hangs(local_ray, tin
         )
         client = running.openai()
         ids = random_ids(tiny_llama, 300)
-        first = client.completions.with_raw_response.create(model="m", prompt=ids, max_tokens=3)
+        first = client.completions.with_raw_response.create(model="tiny-llama", prompt=ids, max_tokens=3)
         assert first.headers["x-lazyserve-route"] == "disaggregated"
         pid = ray.get(actor.pid.remote())
         os.kill(pid, signal.SIGKILL)
         # Right after the crash: the prefill call fails, is retried, and with no other prefill
         # worker the retry prefills on the decode worker (said so in the route): an answer, no hang.
         started = time.monotonic()
-        during = client.completions.with_raw_response.create(model="m", prompt=ids, max_tokens=3)
+        during = client.completions.with_raw_response.create(model="tiny-llama", prompt=ids, max_tokens=3)
         assert during.parse().usage.completion_tokens == 3
         assert during.headers["x-lazyserve-route"] == "local"  # the retry's route, said in the header
         answered = time.monotonic() - started
@@ -93,7 +93,7 @@ def test_a_killed_prefill_actor_is_restarted_and_no_request_hangs(local_ray, tin
         assert actor_addresses([actor]) == [address]  # same fixed port
 
         def disaggregated_again():
-            reply = client.completions.with_raw_response.create(model="m", prompt=ids, max_tokens=3)
+            reply = client.completions.with_raw_response.create(model="tiny-llama", prompt=ids, max_tokens=3)
             return reply.headers["x-lazyserve-route"] == "disaggregated"
 
         assert wait_for(disaggregated_again, timeout=30)
@@ -125,12 +125,12 @@ def test_the_gateway_answers_503_while_redis_is_down_and_recovers(tiny_llama, de
         heartbeat = Heartbeat(url, WorkerInfo(role="decode", address=worker.address, model="tiny-llama"), ttl_s=2.0)
         assert wait_for(lambda: RedisWorkers(url).list(), timeout=5)
         client = gateway(redis_url=url).openai()
-        assert client.completions.create(model="m", prompt=[1, 2], max_tokens=1).choices
+        assert client.completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1).choices
         server.terminate()
         server.wait(timeout=10)
         started = time.monotonic()
         with pytest.raises(openai.InternalServerError) as error:
-            client.completions.create(model="m", prompt=[1, 2], max_tokens=1)
+            client.completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1)
         assert error.value.status_code == 503 and "Redis" in error.value.body["message"]
         refused = time.monotonic() - started
         assert refused < 10
@@ -138,7 +138,7 @@ def test_the_gateway_answers_503_while_redis_is_down_and_recovers(tiny_llama, de
 
         def served():
             try:
-                return bool(client.completions.create(model="m", prompt=[1, 2], max_tokens=1).choices)
+                return bool(client.completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1).choices)
             except openai.APIStatusError:
                 return False
 

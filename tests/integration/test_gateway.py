@@ -151,14 +151,16 @@ def test_api_key_required_when_configured(tiny_llama, decode_worker, gateway):
     with pytest.raises(openai.AuthenticationError):
         running.openai(api_key="k-wrong").models.list()
     assert httpx.get(f"{running.url}/v1/models").status_code == 401
-    reply = running.openai(api_key="k-right").chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    reply = running.openai(api_key="k-right").chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=2
+    )
     assert reply.choices[0].message.content is not None
 
 
 def test_no_worker_is_503(gateway):
     running = gateway()
     with pytest.raises(openai.InternalServerError) as error:
-        running.openai().chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+        running.openai().chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2)
     assert error.value.status_code == 503 and "no decode worker" in error.value.body["message"]
 
 
@@ -166,10 +168,12 @@ def test_queue_bound_is_429(tiny_llama, decode_worker, gateway):
     decode, _ = decode_worker(tiny_llama)
     running = gateway(decode_workers=[decode.address], max_in_flight=1)
     client = running.openai()
-    stream = client.completions.create(model="m", prompt=random_ids(tiny_llama, 20), max_tokens=1500, stream=True)
+    stream = client.completions.create(
+        model="tiny-llama", prompt=random_ids(tiny_llama, 20), max_tokens=1500, stream=True
+    )
     next(iter(stream))  # one request in progress
     with pytest.raises(openai.RateLimitError):
-        client.completions.create(model="m", prompt=[1, 2, 3], max_tokens=2)
+        client.completions.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=2)
     stream.close()
 
 
@@ -177,7 +181,7 @@ def test_deadline_is_504(tiny_llama, decode_worker, gateway):
     decode, _ = decode_worker(tiny_llama)
     running = gateway(decode_workers=[decode.address], request_timeout_s=0.3)
     with pytest.raises(openai.APIStatusError) as error:
-        running.openai().completions.create(model="m", prompt=random_ids(tiny_llama, 20), max_tokens=1900)
+        running.openai().completions.create(model="tiny-llama", prompt=random_ids(tiny_llama, 20), max_tokens=1900)
     assert error.value.status_code == 504
 
 
@@ -200,7 +204,7 @@ def test_a_failed_prefill_is_retried_on_another_worker(tiny_llama, decode_worker
     dead = "127.0.0.1:1"  # nothing listens there; sorts first, so it is chosen first
     running = gateway(prefill_workers=[dead, good.address], decode_workers=[decode.address], local_threshold=512)
     ids = random_ids(tiny_llama, LONG_PROMPT_TOKENS)
-    reply = running.openai().completions.create(model="m", prompt=ids, max_tokens=4, temperature=0)
+    reply = running.openai().completions.create(model="tiny-llama", prompt=ids, max_tokens=4, temperature=0)
     expected = _in_process(tiny_llama, COMPLETIONS_URL, {"prompt": ids, "max_tokens": 4, "temperature": 0})
     assert reply.choices[0].text == choice_text(expected)
     assert "lazyserve_retries_total 1.0" in httpx.get(f"{running.url}/metrics").text
@@ -210,7 +214,7 @@ def test_a_failure_after_tokens_is_an_error_event(tiny_llama, decode_worker, gat
     decode, _ = decode_worker(tiny_llama)
     running = gateway(decode_workers=[decode.address])
     stream = running.openai().completions.create(
-        model="m", prompt=random_ids(tiny_llama, 20), max_tokens=1900, stream=True
+        model="tiny-llama", prompt=random_ids(tiny_llama, 20), max_tokens=1900, stream=True
     )
     chunks = iter(stream)
     next(chunks)
@@ -278,3 +282,18 @@ def test_a_stop_string_keeps_the_metrics_and_chunks_keep_openais_keys(stack, tin
         for choice in chunk["choices"]:
             assert {"index", "text", "finish_reason", "logprobs"} <= choice.keys()
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][:-1] == [None] * (len(chunks) - 1)
+
+
+def test_an_unknown_model_is_404_and_aliases_answer(tiny_llama, decode_worker, gateway):
+    decode, _ = decode_worker(tiny_llama)
+    running = gateway(decode_workers=[decode.address], served_model_names=["smol", "team/small"])
+    client = running.openai()
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="gpt-4o", prompt=[1, 2, 3], max_tokens=1)
+    assert error.value.body["code"] == "model_not_found" and error.value.body["param"] == "model"
+    reply = client.completions.create(model="team/small", prompt=[1, 2, 3], max_tokens=1)
+    assert reply.model == "team/small"
+    assert [m.id for m in client.models.list()] == ["tiny-llama", "smol", "team/small"]
+    assert client.models.retrieve("team/small").id == "team/small"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")

@@ -89,7 +89,7 @@ def test_the_whole_path_over_mutual_tls_with_a_fixed_server_name(
     )
     assert result.tokens == generate(tiny_llama.engine, ids, OFF, params).tokens
     running = gateway(prefill_workers=[prefill.address], decode_workers=[decode.address], local_threshold=100, **tls)
-    reply = running.openai().completions.with_raw_response.create(model="m", prompt=ids, max_tokens=3)
+    reply = running.openai().completions.with_raw_response.create(model="tiny-llama", prompt=ids, max_tokens=3)
     assert reply.headers["x-lazyserve-route"] == "disaggregated"
     assert reply.parse().choices[0].text
 

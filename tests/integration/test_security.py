@@ -52,7 +52,7 @@ def test_the_whole_path_carries_the_token(tiny_llama, decode_worker, prefill_wor
     running = gateway(
         prefill_workers=[prefill.address], decode_workers=[decode.address], local_threshold=100, internal_token=TOKEN
     )
-    reply = running.openai().completions.with_raw_response.create(model="m", prompt=ids, max_tokens=3)
+    reply = running.openai().completions.with_raw_response.create(model="tiny-llama", prompt=ids, max_tokens=3)
     assert reply.headers["x-lazyserve-route"] == "disaggregated"
 
 
@@ -60,22 +60,24 @@ def test_api_keys_are_required_by_default_off_loopback(tiny_llama, decode_worker
     decode, _ = decode_worker(tiny_llama)
     exposed = gateway(decode_workers=[decode.address], host="0.0.0.0")  # bound to loopback here all the same
     with pytest.raises(openai.AuthenticationError):
-        exposed.openai().completions.create(model="m", prompt=[1, 2], max_tokens=1)
+        exposed.openai().completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1)
     local = gateway(decode_workers=[decode.address])  # 127.0.0.1: local development, open
-    assert local.openai().completions.create(model="m", prompt=[1, 2], max_tokens=1).usage.completion_tokens == 1
+    assert (
+        local.openai().completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1).usage.completion_tokens == 1
+    )
 
 
 def test_concurrent_streams_per_key_are_limited(tiny_llama, decode_worker, gateway):
     decode, _ = decode_worker(tiny_llama)
     running = gateway(decode_workers=[decode.address], api_keys="key-a,key-b", max_streams_per_key=1)
     stream = running.openai(api_key="key-a").completions.create(
-        model="m", prompt=[1, 2, 3], max_tokens=1500, stream=True
+        model="tiny-llama", prompt=[1, 2, 3], max_tokens=1500, stream=True
     )
     next(iter(stream))
     with pytest.raises(openai.RateLimitError) as error:
-        running.openai(api_key="key-a").completions.create(model="m", prompt=[1, 2], max_tokens=1)
+        running.openai(api_key="key-a").completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1)
     assert "this key" in error.value.body["message"]
-    assert running.openai(api_key="key-b").completions.create(model="m", prompt=[1, 2], max_tokens=1).choices
+    assert running.openai(api_key="key-b").completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1).choices
     stream.close()
 
 
