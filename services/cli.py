@@ -7,6 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
+from shared.net.lifecycle import watch_lifeline
+
 
 def _engine_settings(args):
     from shared.net.settings import EngineSettings
@@ -74,16 +76,22 @@ def cmd_gateway(args) -> int:
 
 
 def cmd_up(args) -> int:
-    from services.up import up
+    from services.up import UpOptions, up
 
     return up(
-        args.model,
-        args.port,
-        args.decode_workers,
-        args.prefill_actors,
-        args.threads,
-        args.local_threshold,
-        pruning_preset=args.pruning,
+        UpOptions(
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            decode_workers=args.decode_workers,
+            decode_port=args.decode_port,
+            prefill_actors=args.prefill_actors,
+            prefill_port=args.prefill_port,
+            threads=args.threads,
+            local_threshold=args.local_threshold,
+            pruning_preset=args.pruning,
+            api_keys=args.api_key or [],
+        )
     )
 
 
@@ -152,12 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
     stack = sub.add_parser(
         "up", help="the whole system on this host: decode workers, prefill actors on a local Ray, the gateway"
     )
-    stack.add_argument("--model", default=None)
+    stack.add_argument("--model", default=None, help="SmolLM2-135M-Instruct (default), a tiny-* model or a folder")
     stack.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    stack.add_argument("--host", default="127.0.0.1", help="the gateway's address (0.0.0.0: every interface)")
     stack.add_argument("--port", type=int, default=8000, help="the gateway's port")
-    stack.add_argument("--decode-workers", type=int, default=1)
-    stack.add_argument("--prefill-actors", type=int, default=1)
-    stack.add_argument("--local-threshold", type=int, default=None)
+    stack.add_argument("--api-key", action="append", default=None, help="an API key the gateway accepts (repeatable)")
+    stack.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
+    stack.add_argument("--decode-port", type=int, default=50061, help="the first decode worker's port (then +1 each)")
+    stack.add_argument("--prefill-actors", type=int, default=1, help="prefill actors on the local Ray")
+    stack.add_argument("--prefill-port", type=int, default=50071, help="the first prefill actor's port (then +1 each)")
+    stack.add_argument(
+        "--local-threshold", type=int, default=None, help="prompts shorter than this are prefilled on a decode worker"
+    )
     stack.add_argument(
         "--pruning",
         default=None,
@@ -213,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    watch_lifeline()  # started by `lazyserve up`: stop with it
     if args.command == "bench":
         return cmd_bench(args, rest)
     if args.command == "eval":

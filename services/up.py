@@ -1,10 +1,16 @@
-"""`lazyserve up`: the whole system on one host, with one command.
+"""`lazyserve up`: the whole system on one host, with one command, supervised.
 
 Starts decode workers, prefill actors on a local Ray (the prefill-worker command starts Ray) and
 the gateway over them, each as its own process running its own `lazyserve` subcommand, with the
 embedded defaults: the static worker list, no Redis. Waits for each to be ready (with progress),
-prints the URL and an example request, and on Ctrl-C or SIGTERM stops every process it started,
-process group and all, so nothing is left behind.
+prints the URL and an example request, then supervises:
+- a child that dies is started again on the same port, after a backoff that doubles from 1 s to
+  30 s; meanwhile the gateway routes around a dead worker (a request that fails on it before its
+  first token is retried on another). Too many restarts in a row (5 within 5 minutes) stop the
+  stack and `up` exits 1;
+- on Ctrl-C or SIGTERM every child stops, process group and all (a child's local Ray too);
+- if `up` itself dies, even by SIGKILL, each child sees its lifeline pipe close and stops itself
+  (shared.net.lifecycle.watch_lifeline), so nothing is left holding the ports.
 """
 
 from __future__ import annotations
@@ -17,35 +23,62 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 import httpx
 from rich.console import Console
 
+from shared.net.lifecycle import LIFELINE_ENV
+
 console = Console(stderr=True)
+
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
+
+
+@dataclass(eq=False)
+class Child:
+    name: str
+    args: list[str]
+    process: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)  # when each restart happened
+    restart_at: float | None = None  # scheduled restart, while it is down
 
 
 class Stack:
-    def __init__(self, pruning_preset: str | None = None):
-        self.processes: list[tuple[str, subprocess.Popen]] = []
+    def __init__(self, pruning_preset: str | None = None, extra_env: dict[str, str] | None = None):
+        self.children: list[Child] = []
         # Internal gRPC calls need this token: only processes of this stack can reach the workers.
         self.token = os.environ.get("LAZYSERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
-        self.env = {**os.environ, "LAZYSERVE_INTERNAL_TOKEN": self.token}
+        self.env = {**os.environ, "LAZYSERVE_INTERNAL_TOKEN": self.token, **(extra_env or {})}
         if pruning_preset is not None:  # every process of the stack, so all agree on the default
             self.env["LAZYSERVE_PRUNING_PRESET"] = pruning_preset
+        # Children hold the read end; only this process holds the write end.
+        self._lifeline, self._lifeline_w = os.pipe()
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+    @property
+    def processes(self) -> list[tuple[str, subprocess.Popen]]:
+        return [(child.name, child.process) for child in self.children if child.process is not None]
+
+    def start(self, name: str, args: list[str]) -> Child:
+        child = Child(name, args)
+        self.children.append(child)
+        self._spawn(child)
+        return child
+
+    def _spawn(self, child: Child) -> None:
         # Own session: Ctrl-C in the terminal reaches only `up`, which stops the children in order.
-        process = subprocess.Popen(  # noqa: S603 -- this interpreter running our own CLI, no shell
-            [sys.executable, "-m", "services.cli", *args],
+        child.process = subprocess.Popen(  # noqa: S603 -- this interpreter running our own CLI, no shell
+            [sys.executable, "-m", "services.cli", *child.args],
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            env=self.env,
+            pass_fds=(self._lifeline,),
+            env={**self.env, LIFELINE_ENV: str(self._lifeline)},
         )
-        self.processes.append((name, process))
-        return process
 
-    def wait_ready(self, name: str, process: subprocess.Popen, kind: str, count: int, timeout: float) -> list[str]:
+    def wait_ready(self, child: Child, kind: str, count: int, timeout: float) -> list[str]:
+        process = child.process
         addresses: list[str] = []
         deadline = time.monotonic() + timeout
         for line in process.stdout:
@@ -57,16 +90,54 @@ class Stack:
             if time.monotonic() > deadline:
                 break
         if len(addresses) < count:
-            raise RuntimeError(f"{name} did not become ready (exit code {process.poll()}); see its log above")
-        # Keep draining its stdout so the child never blocks on a full pipe.
-        threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+            raise RuntimeError(f"{child.name} did not become ready (exit code {process.poll()}); see its log above")
+        self._drain(child)
         return addresses
 
+    def _drain(self, child: Child, announce: bool = False) -> None:
+        """Keep reading a child's stdout so it never blocks on a full pipe; say when it is back."""
+        process = child.process
+
+        def drain():
+            for line in process.stdout:
+                if announce and line.startswith("READY"):
+                    console.print(f"[green]{child.name} is back: {line.strip()}")
+                    print(f"RESTARTED {child.name}", flush=True)
+
+        threading.Thread(target=drain, daemon=True).start()
+
+    def supervise(self, stop: threading.Event) -> int:
+        """Restart children that die, until asked to stop (0) or restarts keep failing (1)."""
+        while not stop.wait(0.25):
+            now = time.monotonic()
+            for child in self.children:
+                if child.restart_at is not None:
+                    if now >= child.restart_at:
+                        child.restart_at = None
+                        child.restarts.append(now)
+                        console.print(f"[yellow]restarting {child.name} (restart {len(child.restarts)})")
+                        self._spawn(child)
+                        self._drain(child, announce=True)
+                    continue
+                code = child.process.poll()
+                if code is None:
+                    continue
+                _signal_group(child.process, signal.SIGKILL)  # what it left in its group goes too
+                recent = [t for t in child.restarts if now - t < RESTART_WINDOW_S]
+                if len(recent) >= MAX_RESTARTS:
+                    console.print(f"[red]{child.name} exited ({code}) {len(recent)} times in a row; stopping")
+                    return 1
+                delay = BACKOFF_S[min(len(recent), len(BACKOFF_S) - 1)]
+                console.print(f"[red]{child.name} exited ({code}); restarting in {delay:.0f} s")
+                child.restart_at = now + delay
+        return 0
+
     def stop(self, timeout: float = 20.0) -> None:
-        for _name, process in reversed(self.processes):  # gateway first, workers last
+        live = [(child.name, child.process) for child in reversed(self.children) if child.process is not None]
+        for _name, process in live:  # gateway first, workers last
             _signal_group(process, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for name, process in reversed(self.processes):
+        for name, process in live:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -83,76 +154,6 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def up(
-    model: str | None,
-    port: int,
-    decode_workers: int,
-    prefill_actors: int,
-    threads: int | None,
-    local_threshold: int | None,
-    timeout: float = 600.0,
-    pruning_preset: str | None = None,
-) -> int:
-    stack = Stack(pruning_preset)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    common = (["--model", model] if model else []) + (["--threads", str(threads)] if threads else [])
-    try:
-        with console.status("starting decode workers and prefill actors (the first start converts the model, ~30 s)"):
-            decoders = [
-                stack.start(f"decode-{i}", ["decode-worker", "--port", str(50061 + i), *common])
-                for i in range(decode_workers)
-            ]
-            prefill = stack.start(
-                "prefill", ["prefill-worker", "--port", "50071", "--num-actors", str(prefill_actors), *common]
-            )
-            decode_addresses = [
-                stack.wait_ready(f"decode-{i}", p, "decode", 1, timeout)[0] for i, p in enumerate(decoders)
-            ]
-            console.print(f"decode workers ready: {', '.join(decode_addresses)}")
-            prefill_addresses = stack.wait_ready("prefill", prefill, "prefill", prefill_actors, timeout)
-            console.print(f"prefill actors ready: {', '.join(prefill_addresses)}")
-        gateway_args = [
-            "gateway",
-            "--port",
-            str(port),
-            "--decode-workers",
-            ",".join(decode_addresses),
-            "--prefill-workers",
-            ",".join(prefill_addresses),
-            *common,
-        ]
-        if local_threshold is not None:
-            gateway_args += ["--local-threshold", str(local_threshold)]
-        with console.status("starting the gateway"):
-            stack.start("gateway", gateway_args)
-            url = f"http://127.0.0.1:{port}"
-            wait_for_gateway(url, timeout, stop)
-        print(f"READY gateway {url}", flush=True)
-        console.print(
-            f"\n[bold]lazyserve is up[/bold] at {url}/v1 (Ctrl-C stops everything)\n\n"
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f'    -d \'{{"messages": [{{"role": "user", "content": "Say hello"}}], "max_tokens": 32}}\'\n\n'
-            f"  metrics: {url}/metrics   health: {url}/health\n",
-            highlight=False,
-            soft_wrap=True,  # never wrapped at the console's width: the example must paste as it is
-        )
-        while not stop.wait(0.5):
-            dead = [name for name, process in stack.processes if process.poll() is not None]
-            if dead:
-                console.print(f"[red]{', '.join(dead)} exited; stopping the rest")
-                return 1
-        return 0
-    except RuntimeError as error:
-        console.print(f"[red]{error}")
-        return 1
-    finally:
-        with console.status("stopping"):
-            stack.stop()
-        console.print("stopped")
-
-
 def wait_for_gateway(url: str, timeout: float, stop: threading.Event | None = None) -> None:
     """Poll the gateway's /ready until it answers 200 (bounded by timeout, or until stop is set)."""
     deadline = time.monotonic() + timeout
@@ -164,3 +165,70 @@ def wait_for_gateway(url: str, timeout: float, stop: threading.Event | None = No
             pass
         time.sleep(0.3)
     raise RuntimeError(f"the gateway at {url} did not become ready")
+
+
+@dataclass
+class UpOptions:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    decode_workers: int = 1
+    decode_port: int = 50061
+    prefill_actors: int = 1
+    prefill_port: int = 50071
+    threads: int | None = None
+    local_threshold: int | None = None
+    pruning_preset: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    timeout: float = 600.0
+
+
+def up(options: UpOptions) -> int:
+    extra_env = {"LAZYSERVE_GATEWAY_API_KEYS": ",".join(options.api_keys)} if options.api_keys else {}
+    stack = Stack(options.pruning_preset, extra_env)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    o = options
+    common = (["--model", o.model] if o.model else []) + (["--threads", str(o.threads)] if o.threads else [])
+    try:
+        with console.status("starting decode workers and prefill actors (the first start converts the model, ~30 s)"):
+            decoders = [
+                stack.start(f"decode-{i}", ["decode-worker", "--port", str(o.decode_port + i), *common])
+                for i in range(o.decode_workers)
+            ]
+            prefill_args = ["prefill-worker", "--port", str(o.prefill_port), "--num-actors", str(o.prefill_actors)]
+            prefill = stack.start("prefill", [*prefill_args, *common])
+            decode_addresses = [stack.wait_ready(child, "decode", 1, o.timeout)[0] for child in decoders]
+            console.print(f"decode workers ready: {', '.join(decode_addresses)}")
+            prefill_addresses = stack.wait_ready(prefill, "prefill", o.prefill_actors, o.timeout)
+            console.print(f"prefill actors ready: {', '.join(prefill_addresses)}")
+        gateway_args = ["gateway", "--host", o.host, "--port", str(o.port), *common]
+        gateway_args += ["--decode-workers", ",".join(decode_addresses)]
+        gateway_args += ["--prefill-workers", ",".join(prefill_addresses)]
+        if o.local_threshold is not None:
+            gateway_args += ["--local-threshold", str(o.local_threshold)]
+        with console.status("starting the gateway"):
+            gateway = stack.start("gateway", gateway_args)
+            stack._drain(gateway, announce=True)
+            shown = "127.0.0.1" if o.host in ("0.0.0.0", "::") else o.host  # noqa: S104 -- a check, not a bind
+            url = f"http://{shown}:{o.port}"
+            wait_for_gateway(url, o.timeout, stop)
+        print(f"READY gateway {url}", flush=True)
+        auth = " -H 'Authorization: Bearer YOUR_KEY'" if o.api_keys else ""
+        console.print(
+            f"\n[bold]lazyserve is up[/bold] at {url}/v1 (Ctrl-C stops everything)\n\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f'    -d \'{{"messages": [{{"role": "user", "content": "Say hello"}}], "max_tokens": 32}}\'\n\n'
+            f"  metrics: {url}/metrics   health: {url}/health\n",
+            highlight=False,
+            soft_wrap=True,  # never wrapped at the console's width: the example must paste as it is
+        )
+        return stack.supervise(stop)
+    except RuntimeError as error:
+        console.print(f"[red]{error}")
+        return 1
+    finally:
+        with console.status("stopping"):
+            stack.stop()
+        console.print("stopped")
