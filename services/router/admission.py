@@ -78,7 +78,9 @@ class Admission:
         if not acquired:
             self._count(-1)
             raise RequestError(
-                429, f"this key has {self.max_streams_per_caller} requests in progress on all gateways; retry later"
+                429,
+                f"this key (or, with API keys off, this client address) has {self.max_streams_per_caller} "
+                "requests in progress on all gateways; retry later",
             )
         return Slot(self, caller)
 

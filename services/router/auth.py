@@ -34,6 +34,13 @@ class KeyStore:
             return True
         return self.client is not None and self.client.scard(API_KEYS) > 0
 
+    def caller(self, presented: str | None, address: str) -> str | None:
+        """Who is asking, for the per-caller limit: the key's hash when keys are on (None if the key
+        is refused), the client's address when they are off (whatever token it sent)."""
+        if not self.enabled():
+            return address
+        return hash_key(presented) if self.accepts(presented) else None
+
     def accepts(self, presented: str | None) -> bool:
         if not self.enabled():
             return True

@@ -18,6 +18,7 @@ KINDS = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",

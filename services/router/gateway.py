@@ -8,6 +8,7 @@ runs in a thread (admission.off_loop), never on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -15,15 +16,17 @@ import time
 import uuid
 import weakref
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.admission import Admission, Slot, off_loop
-from services.router.auth import KeyStore, hash_key
+from services.router.auth import KeyStore
 from services.router.dispatch import Dispatcher
 from services.router.errors import status_of
 from services.router.metrics import GatewayMetrics
@@ -41,12 +44,30 @@ from services.router.tracing import (
     start_request_span,
 )
 from services.router.workers import RedisWorkers, StaticWorkers, Workers
-from shared.api.schemas import ModelCard, ModelList
-from shared.api.serving import CHAT_URL, COMPLETIONS_URL, RequestError, build_response, parse_request, prepare
+from shared.api.schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from shared.api.serving import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    RequestError,
+    build_response,
+    parse_request,
+    prepare,
+    validation_message,
+    validation_param,
+)
 from shared.models.text import TextModel
 from shared.net.registry import WorkerInfo
 
 log = logging.getLogger(__name__)
+
+__version__ = version("lazyserve")
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -125,6 +146,9 @@ class Gateway:
         app.api_route("/health", methods=["GET", "HEAD"])(self.health)  # HEAD: what load balancers probe
         app.api_route("/ready", methods=["GET", "HEAD"])(self.ready)
         app.get("/metrics")(self.prometheus)
+        app.get("/version")(self.version)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
         return app
 
     async def chat_completions(self, request: Request):
@@ -169,6 +193,43 @@ class Gateway:
         prefillers = [w for w in live if w.role == "prefill" and w.model == name]
         return {"status": "ready", "decode_workers": len(decoders), "prefill_workers": len(prefillers)}
 
+    async def version(self):
+        return {"version": __version__}
+
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: the ids a prompt (or chat messages, templated) becomes here."""
+        try:
+            await self.authorize(request)
+            body = _validated(TokenizeRequest, await self.read_body(request))
+            self.check_model(body.model)
+            ids = await off_loop(self._tokenize, body)
+        except Exception as error:
+            return self.error_response(error)
+        return TokenizeResponse(count=len(ids), max_model_len=self.text.max_positions, tokens=ids).model_dump()
+
+    def _tokenize(self, body: TokenizeRequest) -> list[int]:
+        text = self.text
+        chars = len(body.prompt) if body.prompt is not None else sum(len(m.content) for m in body.messages)
+        if chars > text.max_text_chars:
+            raise RequestError(
+                400, f"{chars} characters cannot fit the context", "prompt" if body.prompt is not None else "messages"
+            )
+        if body.messages is not None:
+            return text.chat_ids([m.model_dump() for m in body.messages])
+        return text.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+
+    async def detokenize(self, request: Request):
+        try:
+            await self.authorize(request)
+            body = _validated(DetokenizeRequest, await self.read_body(request))
+            self.check_model(body.model)
+            if any(not 0 <= token < self.text.vocab_size for token in body.tokens):
+                raise RequestError(400, f"token ids must be in [0, {self.text.vocab_size})", "tokens")
+            text = await off_loop(self.text.tokenizer.decode, body.tokens)
+        except Exception as error:
+            return self.error_response(error)
+        return DetokenizeResponse(prompt=text).model_dump()
+
     async def prometheus(self):
         return PlainTextResponse(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -183,7 +244,8 @@ class Gateway:
             error = RequestError(400, str(error))
         status, body = status_of(error)
         self.metrics.requests.labels("client_error" if status < 500 else "server_error").inc()
-        return JSONResponse({"error": body.model_dump()}, status_code=status)
+        headers = {"retry-after": "1"} if status in (429, 503) else None  # when to try again
+        return JSONResponse({"error": body.model_dump()}, status_code=status, headers=headers)
 
     # ------------------------------------------------------------------ a completion
     async def complete(self, request: Request, url: str):
@@ -284,17 +346,34 @@ class Gateway:
         """Check the key; returns who is asking (a key's hash, or the client's address without keys)."""
         header = request.headers.get("authorization", "")
         presented = header[7:].strip() if header.lower().startswith("bearer ") else None
-        if not await off_loop(self.keys.accepts, presented):  # may ask Redis
+        address = request.client.host if request.client else "?"
+        caller = await off_loop(self.keys.caller, presented, address)  # may ask Redis
+        if caller is None:
             raise RequestError(
                 401, "missing or invalid API key (send it as `Authorization: Bearer KEY`)", code="invalid_api_key"
             )
-        return hash_key(presented) if presented else (request.client.host if request.client else "?")
+        return caller
 
     async def read_body(self, request: Request) -> dict:
-        raw = await request.body()
+        """The JSON body, read within the size limit and the read timeout: a declared length over
+        the limit is refused before reading, a chunked body as soon as it passes the limit."""
         limit = self.settings.max_body_bytes
-        if len(raw) > limit:
-            raise RequestError(413, f"request body of {len(raw)} bytes is over the limit of {limit}")
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise RequestError(413, f"a request body of {declared} bytes is over the limit of {limit}")
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise RequestError(413, f"the request body is over the limit of {limit} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise RequestError(
+                408, f"the request body did not arrive within {self.settings.body_timeout_s} s"
+            ) from None
+        raw = b"".join(chunks)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -309,6 +388,13 @@ class Gateway:
             await off_loop(
                 self.records.write, job.request_id, job.record(outcome, error and status_of(error)[1].message)
             )
+
+
+def _validated(schema, body: dict):
+    try:
+        return schema.model_validate(body)
+    except ValidationError as error:
+        raise RequestError(400, validation_message(error), param=validation_param(error)) from None
 
 
 def create_app(settings: GatewaySettings, text: TextModel, workers: Workers | None = None) -> FastAPI:

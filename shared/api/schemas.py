@@ -11,7 +11,17 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from shared.contract import PRESET_NAMES, PruneConfig
 
@@ -31,6 +41,23 @@ def _encodable(text: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 
 
+# Parameter -> its values that change nothing (accepted); any other value is a 400.
+NOT_SERVED: dict[str, tuple] = {
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+    "suffix": ("",),
+}
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -48,6 +75,22 @@ class _Request(BaseModel):
         None, description="a preset name or a schedule; absent: the server's default preset (pruning_preset)"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _not_served(cls, body):
+        """OpenAI parameters this server does not act on are refused with a 400 naming them, not
+        accepted and silently ignored (their neutral values pass)."""
+        if isinstance(body, dict):
+            for name, neutral in NOT_SERVED.items():
+                value = body.get(name)
+                if value is not None and value not in neutral:
+                    raise PydanticCustomError(
+                        "not_served",
+                        "{name} is not supported by this server (supported parameters: docs in the README)",
+                        {"name": name},
+                    )
+        return body
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, stop):
@@ -61,11 +104,34 @@ class _Request(BaseModel):
         return list(self.stop or [])
 
 
+class TextPart(BaseModel):
+    """A content part as LangChain and the Agents SDK send it; only text parts are served."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported; this model reads text parts only")
+        if self.text is None:
+            raise ValueError("a text part needs `text`")
+        return self
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: Text
+    content: Text | list[TextPart]
+
+    @field_validator("content")
+    @classmethod
+    def _join_parts(cls, content):
+        """Text parts are joined into one string, as the chat template takes it."""
+        return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
 class ChatCompletionRequest(_Request):
@@ -195,6 +261,40 @@ class CompletionChunk(BaseModel):
     choices: list[CompletionChunkChoice]
     usage: Usage | None = None
     metrics: Metrics | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

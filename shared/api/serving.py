@@ -52,7 +52,10 @@ def _field_path(loc: tuple) -> str:
 def _errors(error: ValidationError) -> list[tuple[str, str]]:
     """(field path, message) pairs, without a union branch's complaint about a field when another
     branch got further into it (`pruning: should be 'off', ...` when the schedule's seed was wrong)."""
-    found = [(_field_path(item["loc"]), item["msg"]) for item in error.errors()]
+    found = [
+        (item["ctx"]["name"] if item["type"] == "not_served" else _field_path(item["loc"]), item["msg"])
+        for item in error.errors()
+    ]
     deeper = lambda path: any(other.startswith(path + ".") for other, _ in found)  # noqa: E731
     kept = []
     for path, message in found:
@@ -91,6 +94,18 @@ class Prepared:
 
 
 def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) -> Prepared:
+    chat = isinstance(request, ChatCompletionRequest)
+    if chat:
+        chars = sum(len(m.content) for m in request.messages)
+    else:  # token ids are checked against the context below, with everything else
+        chars = len(request.prompt) if isinstance(request.prompt, str) else 0
+    if chars > llm.max_text_chars:
+        raise RequestError(
+            400,
+            f"the prompt has {chars} characters; at most {llm.max_text_chars} can fit the model's context of "
+            f"{llm.max_positions} tokens",
+            param="messages" if chat else "prompt",
+        )
     if isinstance(request, ChatCompletionRequest):
         ids = llm.chat_ids([m.model_dump() for m in request.messages])
     else:

@@ -6,6 +6,7 @@ The gateway tokenizes and detokenizes with this alone; workers hold the weights.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,19 @@ class TextModel:
     @property
     def default_pruning(self) -> PruneConfig:
         return preset(self.default_preset, self.spec.num_layers)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text in bytes (byte-level BPE: one character per byte). A text of
+        more than max_positions times this many characters cannot fit the context."""
+        vocab = self.tokenizer.get_vocab()
+        return max((len(token) for token in vocab), default=1)
+
+    @property
+    def max_text_chars(self) -> int:
+        """More characters than this cannot fit the context: refused before tokenizing (which
+        would take seconds and memory for megabytes of text)."""
+        return self.max_positions * self.max_token_chars
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

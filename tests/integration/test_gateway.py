@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 
 import httpx
@@ -297,3 +298,98 @@ def test_an_unknown_model_is_404_and_aliases_answer(tiny_llama, decode_worker, g
     assert client.models.retrieve("team/small").id == "team/small"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
+
+
+def test_content_parts_are_joined_and_other_parts_refused(stack):
+    running, _ = stack
+    client = running.openai()
+    args = dict(model="tiny-llama", max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(messages=[{"role": "user", "content": "Hi there"}], **args)
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]
+    joined = client.chat.completions.create(messages=[{"role": "user", "content": parts}], **args)
+    assert joined.choices[0].message.content == plain.choices[0].message.content
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(messages=[{"role": "user", "content": image}], **args)
+    assert "image_url" in error.value.body["message"] and error.value.body["param"] == "messages.0.content.0"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ],
+)
+def test_parameters_not_served_are_refused_not_ignored(stack, extra, param):
+    running, _ = stack
+    with pytest.raises(openai.BadRequestError) as error:
+        running.openai().chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2, extra_body=extra)
+    assert error.value.body["param"] == param and "not supported" in error.value.body["message"]
+    neutral = {
+        "logprobs": False,
+        "presence_penalty": 0,
+        "tools": [],
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+    }
+    reply = running.openai().chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=2, extra_body={param: neutral[param]}
+    )
+    assert reply.choices
+
+
+def test_limits_hold_before_the_work(stack, tiny_text):
+    running, _ = stack
+    # A declared length over the limit is refused before a byte of the body is read.
+    port = int(running.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n{")
+        assert raw.recv(64).startswith(b"HTTP/1.1 413")  # within the 5 s socket timeout
+
+    # Chunked bodies are counted as they come.
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(5 << 10):
+            yield b"a" * 1024
+        yield b'"}'
+
+    assert httpx.post(f"{running.url}/v1/completions", content=chunks(), timeout=30).status_code == 413
+    # Text that cannot fit the context is refused without tokenizing it.
+    huge = "word " * (tiny_text.max_text_chars // 5 + 1)
+    reply = httpx.post(f"{running.url}/v1/completions", json={"prompt": huge}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+
+
+def test_tokenize_detokenize_and_version(stack, tiny_text):
+    running, _ = stack
+    url = running.url
+    reply = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world"}, timeout=10).json()
+    assert reply["tokens"] == tiny_text.tokenizer("Hello world").input_ids and reply["count"] == len(reply["tokens"])
+    assert reply["max_model_len"] == tiny_text.max_positions
+    chat = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}, timeout=10).json()
+    assert chat["tokens"] == tiny_text.chat_ids(MESSAGES)
+    back = httpx.post(f"{url}/detokenize", json={"tokens": reply["tokens"]}, timeout=10).json()
+    assert back["prompt"] == "Hello world"
+    assert httpx.post(f"{url}/tokenize", json={}, timeout=10).status_code == 400
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [10**9]}, timeout=10).json()["error"]["param"] == "tokens"
+    assert httpx.get(f"{url}/version", timeout=10).json()["version"] == "0.1.0"
+
+
+def test_every_429_says_when_to_retry(tiny_llama, decode_worker, gateway):
+    decode, _ = decode_worker(tiny_llama)
+    running = gateway(decode_workers=[decode.address], max_streams_per_key=1)
+    client = running.openai()
+    stream = client.completions.create(
+        model="tiny-llama", prompt=random_ids(tiny_llama, 20), max_tokens=1500, stream=True
+    )
+    next(iter(stream))
+    body = {"prompt": [1, 2], "max_tokens": 1}
+    # Keys are off: the limit is per client address, whatever token a client sends.
+    reply = httpx.post(f"{running.url}/v1/completions", json=body, timeout=10)
+    assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
+    assert "client address" in reply.json()["error"]["message"]
+    stream.close()
