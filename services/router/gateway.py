@@ -143,8 +143,9 @@ class Gateway:
         app.post(COMPLETIONS_URL)(self.completions)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.model)
-        app.api_route("/health", methods=["GET", "HEAD"])(self.health)  # HEAD: what load balancers probe
-        app.api_route("/ready", methods=["GET", "HEAD"])(self.ready)
+        for path, probe in (("/health", self.health), ("/ready", self.ready)):
+            app.get(path)(probe)
+            app.head(path, include_in_schema=False)(probe)  # HEAD: what load balancers probe
         app.get("/metrics")(self.prometheus)
         app.get("/version")(self.version)
         app.post("/tokenize")(self.tokenize)

@@ -11,7 +11,17 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from shared.api.schemas import ChatCompletion, ChatCompletionRequest, CompletionRequest, ErrorBody, TextCompletion
+from shared.api.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorBody,
+    TextCompletion,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from shared.api.serving import CHAT_URL, COMPLETIONS_URL
 
 
@@ -22,6 +32,8 @@ class ErrorResponse(BaseModel):
 ERRORS = {
     "400": "bad input, or prompt + max_tokens over the context",
     "401": "missing or invalid API key",
+    "404": "a model this server does not serve",
+    "408": "the body did not arrive in time",
     "413": "body too large",
     "429": "too many requests in progress",
     "503": "no worker can take the request",
@@ -49,6 +61,10 @@ def build_openapi(app) -> dict:
         (ChatCompletion, "serialization"),
         (TextCompletion, "serialization"),
         (ErrorResponse, "serialization"),
+        (TokenizeRequest, "validation"),
+        (TokenizeResponse, "serialization"),
+        (DetokenizeRequest, "validation"),
+        (DetokenizeResponse, "serialization"),
     ]
     _, definitions = models_json_schema(models, ref_template=REF)
     schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
@@ -68,4 +84,26 @@ def build_openapi(app) -> dict:
                 for code, text in ERRORS.items()
             },
         }
+    for url, request, response in (
+        ("/tokenize", TokenizeRequest, TokenizeResponse),
+        ("/detokenize", DetokenizeRequest, DetokenizeResponse),
+    ):
+        operation = schema["paths"][url]["post"]
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
+        operation["responses"] = {
+            "200": {"description": "done", "content": {"application/json": {"schema": _ref(response)}}},
+            **{
+                code: {"description": ERRORS[code], "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+                for code in ("400", "401", "404", "408", "413")
+            },
+        }
+    errors = ("401", "404")
+    operation = schema["paths"]["/v1/models/{model_id}"]["get"]
+    operation["responses"] = {
+        "200": operation["responses"]["200"],
+        **{
+            code: {"description": ERRORS[code], "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+            for code in errors
+        },
+    }
     return schema

@@ -23,6 +23,10 @@ OPERATIONS = [
     ("/v1/chat/completions", "POST"),
     ("/v1/completions", "POST"),
     ("/v1/models", "GET"),
+    ("/v1/models/{model_id}", "GET"),
+    ("/tokenize", "POST"),
+    ("/detokenize", "POST"),
+    ("/version", "GET"),
     ("/health", "GET"),
     ("/ready", "GET"),
 ]
