@@ -22,6 +22,7 @@ PACKAGES = ("shared", "services", "bench", "proto")
 
 def test_the_gateway_runs_without_torch():
     """Its whole module tree, and the text model it loads at start, in a fresh interpreter."""
+    default_model_folder()  # the one-time GGUF conversion (which needs torch) happens here, not there
     script = (
         "import sys\n"
         "import services.router.main\n"
