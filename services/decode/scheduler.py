@@ -50,7 +50,7 @@ class Sequence:
     decoding: Decoding | None = None  # once the prompt is in the cache
     prefill: PrefillRun | None = None  # a local prefill not finished yet
     params: SamplingParams | None = None  # with `prefill`: how to decode after it
-    outbox: queue.Queue = field(default_factory=queue.Queue)  # (TOKEN, id) ... then (DONE|FAILED, detail)
+    outbox: queue.Queue = field(default_factory=queue.Queue)  # (TOKEN, Sampled) ... then (DONE|FAILED, detail)
     cancelled: threading.Event = field(default_factory=threading.Event)
     prefill_started: float | None = None  # when its local prefill first ran
 
@@ -181,7 +181,9 @@ class Scheduler:
         if not run.done:
             return
         fill_prefill_stats(sequence.generation.stats, run.cache, time.perf_counter() - sequence.prefill_started)
-        sequence.decoding = Decoding(run.cache, run.config, sequence.params, sequence.generation)
+        sequence.decoding = Decoding(
+            run.cache, run.config, sequence.params, sequence.generation, prompt_ids=run.ids.tolist()
+        )
         sequence.prefill = None
         self._emit(sequence, run.logits)
 
@@ -200,9 +202,9 @@ class Scheduler:
             self._emit(sequence, row)
 
     def _emit(self, sequence: Sequence, logits) -> None:
-        token = sequence.decoding.advance(logits)
-        if token is not None:
-            sequence.outbox.put((TOKEN, token))
+        sampled = sequence.decoding.advance(logits)
+        if sampled is not None:
+            sequence.outbox.put((TOKEN, sampled))
         if sequence.decoding.done:
             self._retire(sequence, DONE, sequence.generation.finish_reason)
 

@@ -23,8 +23,8 @@ from services.decode.scheduler import FAILED, TOKEN, Scheduler, Sequence
 from services.decode.settings import DecodeSettings
 from services.decode.transfers import TransferTable
 from shared.contract import preset
-from shared.contract.wire import prompt_from_pb
-from shared.engine import Decoding, Generation, PrefillRun, PruneConfig, Sampler, SamplingParams
+from shared.contract.wire import logprobs_to_pb, prompt_from_pb
+from shared.engine import Decoding, Generation, PrefillRun, PruneConfig, Sampled, Sampler, SamplingParams
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
 from shared.net.telemetry import extract_context, tracer
@@ -125,7 +125,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             kind, value = sequence.outbox.get()
             while True:
                 if kind == TOKEN:
-                    tokens.append(value)
+                    tokens.append(value)  # a Sampled
                 else:
                     end = (kind, value)
                     break
@@ -134,7 +134,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 except queue.Empty:  # send what has been made so far
                     break
             if end is None:
-                response = pb.GenerateResponse(token_ids=tokens)
+                response = _response(tokens)
                 if first:  # the prefill's figures, for a caller that stops early (a stop string)
                     response.stats.CopyFrom(stats_to_pb(sequence.generation.stats))
                     first = False
@@ -145,9 +145,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 raise Unavailable(detail)
             if detail == "cancelled":
                 raise Cancelled("generation cancelled")
-            yield pb.GenerateResponse(
-                token_ids=tokens, finish_reason=detail, stats=stats_to_pb(sequence.generation.stats)
-            )
+            response = _response(tokens)
+            response.finish_reason = detail
+            response.stats.CopyFrom(stats_to_pb(sequence.generation.stats))
+            yield response
             return
 
     def _sequence(self, request: pb.GenerateRequest) -> Sequence:
@@ -157,7 +158,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             assembled = self.transfers.claim(request.transfer_id)
             generation = Generation(stats=assembled.prefill_stats)
             generation.stats.completion_tokens = 0
-            sampler = Sampler(assembled.params, assembled.sampler_state)
+            sampler = Sampler(assembled.params, assembled.sampler_state, assembled.prompt_ids)
             decoding = Decoding(assembled.cache, assembled.config, assembled.params, generation, sampler)
             return Sequence.resumed(request_id, decoding, assembled.first_token)
         if source == "prompt":
@@ -192,6 +193,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def close(self) -> None:
         self.scheduler.close()
         self.transfers.close()
+
+
+def _response(tokens: list[Sampled]) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(token_ids=[sampled.token for sampled in tokens])
+    if tokens and tokens[0].logprob is not None:  # the request asked for logprobs
+        response.logprobs.extend(logprobs_to_pb(sampled) for sampled in tokens)
+    return response
 
 
 @dataclass

@@ -21,7 +21,7 @@ from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.prefill.sender import KVSender, SenderFactory
 from services.prefill.settings import PrefillSettings
 from shared.contract import preset
-from shared.contract.wire import prompt_from_pb
+from shared.contract.wire import logprobs_to_pb, prompt_from_pb
 from shared.engine import Sampler, Stats, fill_prefill_stats, prefill
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, start_serving
@@ -107,8 +107,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             stats = Stats()
             fill_prefill_stats(stats, cache, time.perf_counter() - start)
             del cache  # the decode worker gets its own copy; this one is not needed past here
-            sampler = Sampler(params)
-            first_token = sampler(logits)
+            sampler = Sampler(params, prompt_ids=request.prompt_ids)
+            first = sampler.choose(logits)
+            first_token = first.token
             waited = time.perf_counter()
             reply = sender.finish(
                 lambda num_frames: end_message(
@@ -144,6 +145,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             aux_bytes_sent=sender.aux_bytes,
             bytes_sent=sender.bytes_sent,
             transfer_wait_s=waited,
+            first_logprobs=logprobs_to_pb(first) if first.logprob is not None else None,
         )
 
 

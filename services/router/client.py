@@ -23,8 +23,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
-from shared.contract import PruneConfig, SamplingParams, Stats
-from shared.contract.wire import pruning_to_pb, sampling_to_pb, stats_from_pb
+from shared.contract import PruneConfig, Sampled, SamplingParams, Stats
+from shared.contract.wire import logprobs_from_pb, pruning_to_pb, sampling_to_pb, stats_from_pb
 from shared.net.registry import WorkerInfo
 from shared.net.telemetry import trace_metadata, tracer
 from shared.net.transport import NO_AUTH, InternalAuth
@@ -39,6 +39,7 @@ class Prefilled:
 class Tokens:
     ids: list[int]
     stats: Stats | None = None  # on the decode worker's first response: the prefill's figures
+    logprobs: list[Sampled] | None = None  # with sampling.logprobs: one per id
 
 
 @dataclass
@@ -126,7 +127,8 @@ async def generate_on(
         yield Prefilled(reply)
         # The first token may be a stop token; Generate then ends at once with "stop".
         if reply.first_token not in sampling.stop_token_ids:
-            yield Tokens([reply.first_token], stats_from_pb(reply.stats))
+            first = [logprobs_from_pb(reply.first_logprobs)] if reply.HasField("first_logprobs") else None
+            yield Tokens([reply.first_token], stats_from_pb(reply.stats), first)
         request = pb.GenerateRequest(request_id=request_id, transfer_id=transfer_id)
     span = tracer.start_span("decode", context=parent, kind=SpanKind.CLIENT)
     span.set_attribute("server.address", decode.address)
@@ -136,14 +138,15 @@ async def generate_on(
     )
     try:
         async for response in call:
+            logprobs = [logprobs_from_pb(item) for item in response.logprobs] or None
             if response.finish_reason:
                 if response.token_ids:
-                    yield Tokens(list(response.token_ids))
+                    yield Tokens(list(response.token_ids), None, logprobs)
                 yield Finished(response.finish_reason, stats_from_pb(response.stats))
                 return
             if response.token_ids:
                 stats = stats_from_pb(response.stats) if response.HasField("stats") else None
-                yield Tokens(list(response.token_ids), stats)
+                yield Tokens(list(response.token_ids), stats, logprobs)
         raise UpstreamError(f"decode worker {decode.address} ended the stream without finishing")
     except grpc.aio.AioRpcError as error:
         span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))
@@ -162,6 +165,7 @@ class Result:
     ttft_s: float = 0.0  # request sent -> first token known to the caller
     total_s: float = 0.0
     prefill: pb.PrefillReply | None = None  # None when the decode worker prefilled itself
+    logprobs: list[Sampled] = field(default_factory=list)  # with sampling.logprobs
 
 
 class DecodeClient:
@@ -228,6 +232,7 @@ async def _run(decode, prefill, ids, config, params, auth, timeout) -> Result:
             elif isinstance(event, Tokens):
                 result.ttft_s = result.ttft_s or time.perf_counter() - start
                 result.tokens.extend(event.ids)
+                result.logprobs.extend(event.logprobs or ())
             else:
                 result.finish_reason, result.stats = event.reason, event.stats
     except WorkerFailed as failure:

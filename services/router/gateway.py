@@ -44,6 +44,7 @@ from services.router.tracing import (
     start_request_span,
 )
 from services.router.workers import RedisWorkers, StaticWorkers, Workers
+from shared.api.logprobs import LogprobFormatter
 from shared.api.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -96,6 +97,7 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings, text: TextModel, workers: Workers | None = None):
         self.settings, self.text = settings, text
+        self.formatter = LogprobFormatter(text.tokenizer)
         client = None
         if workers is None:
             if settings.redis_url:
@@ -308,7 +310,7 @@ class Gateway:
             outcome = "cancelled"  # unless it finishes: the client went away
             try:
                 model = parsed.model or self.text.name
-                async for event in stream_events(job, parsed, model, include_usage, on_error):
+                async for event in stream_events(job, parsed, model, include_usage, on_error, self.formatter):
                     yield event
                 outcome = "failed" if failures else "ok"
             finally:
@@ -338,7 +340,14 @@ class Gateway:
             annotate_stats(span, job.stats)
         span.set_attribute("gen_ai.response.finish_reasons", [job.finish_reason])
         response = build_response(
-            parsed.model or self.text.name, parsed, job.prepared, job.text, job.finish_reason, job.stats
+            parsed.model or self.text.name,
+            parsed,
+            job.prepared,
+            job.text,
+            job.finish_reason,
+            job.stats,
+            self.formatter,
+            job.sampled,
         )
         return JSONResponse(response.model_dump(), headers=job.headers)  # after a retry: where it really ran
 

@@ -15,6 +15,7 @@ from contextlib import aclosing
 from services.router.client import Finished, Tokens
 from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision
+from shared.api.logprobs import LogprobFormatter
 from shared.api.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -24,7 +25,7 @@ from shared.api.schemas import (
     CompletionChunkChoice,
 )
 from shared.api.serving import Prepared, metrics_of, usage_of
-from shared.contract import Stats
+from shared.contract import Sampled, Stats
 from shared.models.text import Detokenizer
 
 
@@ -48,6 +49,7 @@ class TextJob:
         self.stats: Stats | None = None
         self.partial_stats: Stats | None = None  # the prefill's figures, sent with the first tokens
         self.num_tokens = 0
+        self.sampled: list[Sampled] = []  # with logprobs asked: each token's, as they came
         self.ttft_s: float | None = None
 
     async def route(self) -> Decision:
@@ -58,7 +60,9 @@ class TextJob:
         self.decision = event
         return event
 
-    async def deltas(self) -> AsyncIterator[str]:
+    async def deltas(self) -> AsyncIterator[tuple[str, list[Sampled]]]:
+        """(text delta, the log-probabilities of the tokens it came from) as tokens arrive; the
+        text may be held back (a possible stop string) while its tokens' figures are not."""
         last = None
         async with aclosing(self.events) as events:
             async for event in events:
@@ -75,16 +79,18 @@ class TextJob:
                         self.metrics.itl.observe((now - last) / len(event.ids))
                     last = now
                     self.num_tokens += len(event.ids)
+                    sampled = event.logprobs or []
+                    self.sampled.extend(sampled)
                     delta = self.detokenizer.add(event.ids)
-                    if delta:
-                        yield delta
+                    if delta or sampled:
+                        yield delta, sampled
                     if self.detokenizer.stopped:
                         self.finish_reason = "stop"
                         break  # closing the events cancels generation downstream
                 elif isinstance(event, Finished):
                     self.finish_reason, self.stats = event.reason, event.stats
         if rest := self.detokenizer.flush():
-            yield rest
+            yield rest, []
         if self.stats is None:  # cut short by a stop string: the prefill's figures, the counts seen here
             self.stats = dataclasses.replace(
                 self.partial_stats or Stats(), prompt_tokens=len(self.prepared.ids), completion_tokens=self.num_tokens
@@ -130,28 +136,39 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def stream_events(job: TextJob, request, model: str, include_usage: bool, on_error) -> AsyncIterator[str]:
+async def stream_events(
+    job: TextJob, request, model: str, include_usage: bool, on_error, formatter: LogprobFormatter
+) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending in `data: [DONE]`; an error event on failure."""
     chat = isinstance(request, ChatCompletionRequest)
     base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+    offset = len(job.prepared.echo)  # completions' text_offset: where the next token's text starts
 
-    def chunk(delta: str | None, finish=None, role=False, usage=None, metrics=None) -> str:
+    def chunk(delta: str | None, finish=None, role=False, usage=None, metrics=None, sampled=None) -> str:
+        nonlocal offset
         if chat:
+            logprobs = formatter.chat(sampled) if sampled else None
             choices = (
                 []
                 if delta is None and finish is None and not role
                 else [
                     ChatChunkChoice(
-                        delta=ChatDelta(role="assistant" if role else None, content=delta), finish_reason=finish
+                        delta=ChatDelta(role="assistant" if role else None, content=delta),
+                        finish_reason=finish,
+                        logprobs=logprobs,
                     )
                 ]
             )
             body = ChatCompletionChunk(**base, choices=choices, usage=usage, metrics=metrics)
         else:
+            logprobs = None
+            if sampled:
+                logprobs = formatter.completion(sampled, offset)
+                offset += sum(map(len, logprobs["tokens"]))
             choices = (
                 []
                 if delta is None and finish is None
-                else [CompletionChunkChoice(text=delta or "", finish_reason=finish)]
+                else [CompletionChunkChoice(text=delta or "", finish_reason=finish, logprobs=logprobs)]
             )
             body = CompletionChunk(**base, choices=choices, usage=usage, metrics=metrics)
         return sse(_chunk_dump(body))
@@ -159,9 +176,11 @@ async def stream_events(job: TextJob, request, model: str, include_usage: bool, 
     try:
         if chat:
             yield chunk("", role=True)
+        elif job.prepared.echo:
+            yield chunk(job.prepared.echo)
         async with aclosing(job.deltas()) as deltas:  # leaving early cancels downstream at once
-            async for delta in deltas:
-                yield chunk(delta)
+            async for delta, sampled in deltas:
+                yield chunk(delta, sampled=sampled)
     except Exception as error:  # after the stream began, a failure is an event, never a dropped stream
         status, body = on_error(error)
         yield sse({"error": body.model_dump()})
@@ -179,5 +198,5 @@ def _chunk_dump(body: ChatCompletionChunk | CompletionChunk) -> dict:
     # `content` only when set.
     data = body.model_dump(exclude_none=True)
     for choice, model in zip(data["choices"], body.choices):
-        choice["finish_reason"], choice["logprobs"] = model.finish_reason, None
+        choice["finish_reason"], choice["logprobs"] = model.finish_reason, model.logprobs
     return data

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from shared.api.logprobs import LogprobFormatter
 from shared.api.schemas import ChatCompletion, TextCompletion
 from shared.api.serving import RequestError, build_response, parse_request, prepare
 from shared.engine import Generation, PruneConfig, SamplingParams, stream
@@ -19,6 +20,7 @@ from shared.models.weights import LoadedModel
 class Completion:
     text: str = ""
     generation: Generation = field(default_factory=Generation)
+    num_read: int = 0  # tokens taken from the engine (a stop string may end it before the last)
 
     @property
     def finish_reason(self) -> str:
@@ -32,6 +34,7 @@ class LLM(TextModel):
         super().__init__(loaded.name, loaded.tokenizer, loaded.engine.spec, loaded.stop_token_ids, default_preset)
         self.loaded = loaded
         self.engine = loaded.engine
+        self.formatter = LogprobFormatter(loaded.tokenizer)
 
     def stream_text(
         self,
@@ -47,6 +50,7 @@ class LLM(TextModel):
         tokens = stream(self.engine, ids, pruning, sampling, completion.generation)
         # The same loop as the gateway's TextJob.deltas, over an in-process token stream.
         for token in tokens:
+            completion.num_read += 1
             if delta := detokenizer.add([token]):
                 yield delta
             if detokenizer.stopped:
@@ -71,5 +75,8 @@ def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
         raise RequestError(400, "stream is not available here", param="stream")
     prepared = prepare(llm, request)
     completion = llm.complete(prepared.ids, prepared.sampling, prepared.pruning, prepared.stop)
-    stats = completion.generation.stats
-    return build_response(llm.name, request, prepared, completion.text, completion.finish_reason, stats)
+    generation = completion.generation
+    sampled = generation.logprobs[: completion.num_read]
+    return build_response(
+        llm.name, request, prepared, completion.text, completion.finish_reason, generation.stats, llm.formatter, sampled
+    )

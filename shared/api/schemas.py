@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from shared.contract import PRESET_NAMES, PruneConfig
+from shared.contract import MAX_LOGPROBS, PRESET_NAMES, PruneConfig
 
 PruningField = Literal[PRESET_NAMES] | PruneConfig
 
@@ -43,13 +43,7 @@ Text = Annotated[str, AfterValidator(_encodable)]
 
 # Parameter -> its values that change nothing (accepted); any other value is a 400.
 NOT_SERVED: dict[str, tuple] = {
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "echo": (False,),
     "best_of": (1,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -71,6 +65,18 @@ class _Request(BaseModel):
     stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
+    # Sampling as vLLM's OpenAI server takes it (shared.engine.sampling says in which order).
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM's; 1: off")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> added to its logit, in [-100, 100]"
+    )
+    top_k: StrictInt = Field(-1, ge=-1, description="vLLM's; -1 or 0: off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM's; 0: off")
+    min_tokens: StrictInt = Field(0, ge=0, description="vLLM's: stop tokens are masked until this many are out")
+    ignore_eos: StrictBool = Field(False, description="vLLM's: keep generating past the end-of-sequence token")
+    stop_token_ids: list[StrictInt] | None = Field(None, description="vLLM's: more token ids that end the output")
     pruning: PruningField | None = Field(
         None, description="a preset name or a schedule; absent: the server's default preset (pruning_preset)"
     )
@@ -90,6 +96,16 @@ class _Request(BaseModel):
                         {"name": name},
                     )
         return body
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, biases):
+        for key, bias in (biases or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids written as strings, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return biases
 
     @field_validator("stop")
     @classmethod
@@ -137,6 +153,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("named", "needs logprobs: true", {"name": "top_logprobs"})
+        return self
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """How many likeliest tokens to report with each token's logprob; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -146,6 +175,21 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: Text | list[StrictInt]
     max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = Field(False, description="the prompt's text before the completion's")
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            # The prompt's own log-probabilities would need logits at every prompt position; a
+            # LazyLLM prefill computes the last position's only.
+            message = "echo with logprobs is not served (prompt log-probabilities are not computed)"
+            raise PydanticCustomError("named", message, {"name": "echo"})
+        return self
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -186,7 +230,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # shared.api.logprobs' chat shape
 
 
 def _id(prefix: str) -> str:
@@ -207,7 +251,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # shared.api.logprobs' completion shape
 
 
 class TextCompletion(BaseModel):
@@ -229,7 +273,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -248,7 +292,7 @@ class CompletionChunkChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class CompletionChunk(BaseModel):
@@ -270,7 +314,7 @@ class TokenizeRequest(BaseModel):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: StrictBool = True
 
     @model_validator(mode="after")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from shared.api.logprobs import LogprobFormatter
 from shared.api.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -21,7 +22,7 @@ from shared.api.schemas import (
     TextCompletion,
     Usage,
 )
-from shared.contract import PruneConfig, SamplingParams, Stats
+from shared.contract import PruneConfig, Sampled, SamplingParams, Stats
 from shared.models.text import TextModel
 
 CHAT_URL = "/v1/chat/completions"
@@ -53,7 +54,8 @@ def _errors(error: ValidationError) -> list[tuple[str, str]]:
     """(field path, message) pairs, without a union branch's complaint about a field when another
     branch got further into it (`pruning: should be 'off', ...` when the schedule's seed was wrong)."""
     found = [
-        (item["ctx"]["name"] if item["type"] == "not_served" else _field_path(item["loc"]), item["msg"])
+        # A model-level check names its field in ctx ("not_served", "named"); others by location.
+        (item["ctx"]["name"] if item["type"] in ("not_served", "named") else _field_path(item["loc"]), item["msg"])
         for item in error.errors()
     ]
     deeper = lambda path: any(other.startswith(path + ".") for other, _ in found)  # noqa: E731
@@ -91,6 +93,7 @@ class Prepared:
     pruning: PruneConfig
     pruning_label: str
     stop: list[str]
+    echo: str = ""  # completions with echo: the prompt's text, put before the output
 
 
 def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) -> Prepared:
@@ -109,8 +112,8 @@ def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) 
     if isinstance(request, ChatCompletionRequest):
         ids = llm.chat_ids([m.model_dump() for m in request.messages])
     else:
-        if isinstance(request.prompt, list) and any(not 0 <= t < llm.vocab_size for t in request.prompt):
-            raise RequestError(400, f"prompt token ids must be in [0, {llm.vocab_size})", "prompt")
+        if isinstance(request.prompt, list):
+            _in_vocabulary(llm, request.prompt, "prompt")
         ids = llm.prompt_ids(request.prompt)
     if not ids:
         raise RequestError(400, "the prompt is empty", param="prompt")
@@ -137,9 +140,44 @@ def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) 
         temperature=request.temperature,
         top_p=request.top_p,
         seed=request.seed,
-        stop_token_ids=llm.stop_token_ids,
+        stop_token_ids=_stop_token_ids(llm, request),
+        top_k=max(request.top_k, 0),
+        min_p=request.min_p,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=_logit_bias(llm, request),
+        min_tokens=_min_tokens(request, max_tokens),
+        logprobs=request.logprobs_count,
     )
-    return Prepared(ids, sampling, pruning, label, request.stop_strings)
+    echo = ""
+    if isinstance(request, CompletionRequest) and request.echo:
+        echo = request.prompt if isinstance(request.prompt, str) else llm.tokenizer.decode(ids)
+    return Prepared(ids, sampling, pruning, label, request.stop_strings, echo)
+
+
+def _in_vocabulary(llm: TextModel, ids, param: str) -> None:
+    if any(not 0 <= token < llm.vocab_size for token in ids):
+        raise RequestError(400, f"token ids must be in [0, {llm.vocab_size})", param)
+
+
+def _stop_token_ids(llm: TextModel, request) -> tuple[int, ...]:
+    extra = request.stop_token_ids or []
+    _in_vocabulary(llm, extra, "stop_token_ids")
+    eos = () if request.ignore_eos else llm.stop_token_ids
+    return tuple(dict.fromkeys([*eos, *extra]))
+
+
+def _logit_bias(llm: TextModel, request) -> tuple[tuple[int, float], ...]:
+    biases = {int(key): bias for key, bias in (request.logit_bias or {}).items()}
+    _in_vocabulary(llm, biases, "logit_bias")
+    return tuple(sorted(biases.items()))
+
+
+def _min_tokens(request, max_tokens: int) -> int:
+    if request.min_tokens > max_tokens:
+        raise RequestError(400, f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+    return request.min_tokens
 
 
 USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
@@ -166,13 +204,19 @@ def build_response(
     text: str,
     finish_reason: str,
     stats: Stats,
+    formatter: LogprobFormatter | None = None,
+    sampled: list[Sampled] = (),
 ) -> ChatCompletion | TextCompletion:
+    """The response body; with logprobs asked, `sampled` holds each output token's (formatter: the model's)."""
     usage, metrics = usage_of(stats), metrics_of(stats, prepared.pruning_label)
     model = request.model or model
+    wants_logprobs = prepared.sampling.logprobs is not None
     if isinstance(request, ChatCompletionRequest):
-        choice = ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish_reason)
+        logprobs = formatter.chat(list(sampled)) if wants_logprobs else None
+        choice = ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish_reason, logprobs=logprobs)
         return ChatCompletion(model=model, choices=[choice], usage=usage, metrics=metrics)
-    choice = CompletionChoice(text=text, finish_reason=finish_reason)
+    logprobs = formatter.completion(list(sampled), len(prepared.echo)) if wants_logprobs else None
+    choice = CompletionChoice(text=prepared.echo + text, finish_reason=finish_reason, logprobs=logprobs)
     return TextCompletion(model=model, choices=[choice], usage=usage, metrics=metrics)
 
 

@@ -8,7 +8,7 @@ build on it.
 
 from shared.contract.model import SUPPORTED_MODEL_TYPES, ModelSpec, UnsupportedModelError
 from shared.contract.pruning import OFF, PRESET_NAMES, PRESETS, PruneConfig, default_pruning, preset
-from shared.contract.sampling import SamplingParams
+from shared.contract.sampling import MAX_LOGPROBS, Sampled, SamplingParams
 from shared.contract.stats import Stats
 
 __all__ = [
@@ -18,6 +18,8 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "ModelSpec",
     "PruneConfig",
+    "MAX_LOGPROBS",
+    "Sampled",
     "SamplingParams",
     "Stats",
     "UnsupportedModelError",

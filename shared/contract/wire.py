@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from shared.contract.pruning import PruneConfig
-from shared.contract.sampling import SamplingParams
+from shared.contract.sampling import Sampled, SamplingParams
 from shared.contract.stats import Stats
 
 
@@ -69,7 +69,17 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         temperature=params.temperature,
         top_p=params.top_p,
         stop_token_ids=list(params.stop_token_ids),
+        top_k=params.top_k,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=[pb.TokenBias(token_id=token, bias=bias) for token, bias in params.logit_bias],
+        min_tokens=params.min_tokens,
     )
+    if params.repetition_penalty != 1.0:
+        message.repetition_penalty = params.repetition_penalty
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
     if params.seed is not None:
         # uint64 on the wire; torch.Generator.manual_seed maps a negative seed the same way.
         message.seed = params.seed % 2**64
@@ -85,12 +95,39 @@ def sampling_from_pb(message: pb.SamplingParams, vocab_size: int) -> SamplingPar
     if not 0.0 < top_p <= 1.0:
         raise FrameError(f"sampling.top_p must be in (0, 1], got {message.top_p}")
     check_token_ids(message.stop_token_ids, vocab_size, "sampling.stop_token_ids")
-    return SamplingParams(
-        max_new_tokens=message.max_new_tokens,
-        temperature=message.temperature,
-        top_p=top_p,
-        seed=message.seed if message.HasField("seed") else None,
-        stop_token_ids=tuple(message.stop_token_ids),
+    check_token_ids([item.token_id for item in message.logit_bias], vocab_size, "sampling.logit_bias")
+    try:
+        return SamplingParams(
+            max_new_tokens=message.max_new_tokens,
+            temperature=message.temperature,
+            top_p=top_p,
+            seed=message.seed if message.HasField("seed") else None,
+            stop_token_ids=tuple(message.stop_token_ids),
+            top_k=message.top_k,
+            min_p=message.min_p,
+            presence_penalty=message.presence_penalty,
+            frequency_penalty=message.frequency_penalty,
+            repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
+            logit_bias=tuple((item.token_id, item.bias) for item in message.logit_bias),
+            min_tokens=message.min_tokens,
+            logprobs=message.logprobs if message.HasField("logprobs") else None,
+        )
+    except ValueError as error:  # the contract's own range checks (NaN included)
+        raise FrameError(f"sampling: {error}") from None
+
+
+def logprobs_to_pb(sampled: Sampled) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(
+        chosen=pb.TokenLogprob(token_id=sampled.token, logprob=sampled.logprob),
+        top=[pb.TokenLogprob(token_id=token, logprob=logprob) for token, logprob in sampled.top],
+    )
+
+
+def logprobs_from_pb(message: pb.TokenLogprobs) -> Sampled:
+    return Sampled(
+        message.chosen.token_id,
+        message.chosen.logprob,
+        tuple((item.token_id, item.logprob) for item in message.top),
     )
 
 

@@ -9,16 +9,15 @@ from shared.engine.decode import decode_batch, decode_step
 from shared.engine.generate import (
     Decoding,
     Generation,
-    Sampler,
     decode_tokens,
     fill_prefill_stats,
     generate,
-    sample,
     stream,
 )
 from shared.engine.model import EngineModel
 from shared.engine.prefill import LayerFrame, PrefillRun, prefill
 from shared.engine.pruning import select
+from shared.engine.sampling import Sampled, Sampler, sample
 
 __all__ = [
     "OFF",
@@ -31,6 +30,7 @@ __all__ = [
     "PrefillRun",
     "PruneConfig",
     "QueryWindow",
+    "Sampled",
     "Sampler",
     "SamplingParams",
     "Stats",

@@ -16,42 +16,7 @@ from shared.engine.cache import LazyCache
 from shared.engine.decode import decode_step
 from shared.engine.model import EngineModel
 from shared.engine.prefill import prefill
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0; otherwise nucleus sampling. logits: [vocab]."""
-    if params.temperature == 0.0:
-        return int(torch.argmax(logits))
-    # Shift by the max first and work in float64: a temperature as small as 1e-300 must give the
-    # argmax (probability 1), not inf/inf = NaN (found by schemathesis through the gateway).
-    logits = logits.double()
-    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always).
-        outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-class Sampler:
-    """`sample` with the request's generator. Its state travels with a KV transfer, so seeded
-    sampling continues on the decode worker exactly where the prefill worker left it."""
-
-    def __init__(self, params: SamplingParams, state: bytes = b""):
-        self.params = params
-        self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
-            if state:
-                self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        return sample(logits, self.params, self.generator)
-
-    def state(self) -> bytes:
-        return b"" if self.generator is None else self.generator.get_state().numpy().tobytes()
+from shared.engine.sampling import Sampled, Sampler
 
 
 @dataclass
@@ -59,6 +24,7 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"  # "stop" (a stop token) or "length" (max_new_tokens)
     stats: Stats = field(default_factory=Stats)
+    logprobs: list[Sampled] = field(default_factory=list)  # with params.logprobs: one per token
 
 
 def fill_cache_stats(stats: Stats, cache: LazyCache, num_layers: int) -> None:
@@ -83,20 +49,27 @@ class Decoding:
         params: SamplingParams,
         generation: Generation,
         sampler: Sampler | None = None,
+        prompt_ids=(),
     ):
         self.cache, self.config, self.params, self.generation = cache, config, params, generation
-        self.sampler = sampler or Sampler(params)
+        # The prompt's ids are for repetition_penalty: pass them, or a sampler built with them.
+        self.sampler = sampler or Sampler(params, prompt_ids=prompt_ids)
         self.next_token: int | None = None  # chosen and not yet fed to the model
         self.done = False
         self._start = time.perf_counter()
 
-    def accept(self, token: int) -> bool:
+    def accept(self, sampled: Sampled | int) -> bool:
         """Record a chosen token; False when it is a stop token (which is not output)."""
         generation = self.generation
+        sampled = sampled if isinstance(sampled, Sampled) else Sampled(sampled)
+        token = sampled.token
         if token in self.params.stop_token_ids:
             generation.finish_reason, self.done = "stop", True
             return False
+        self.sampler.observe(token)
         generation.tokens.append(token)
+        if self.params.logprobs is not None:
+            generation.logprobs.append(sampled)
         generation.stats.completion_tokens = len(generation.tokens)
         if len(generation.tokens) >= self.params.max_new_tokens:
             generation.finish_reason, self.done = "length", True
@@ -104,10 +77,10 @@ class Decoding:
             self.next_token = token
         return True
 
-    def advance(self, logits: torch.Tensor) -> int | None:
+    def advance(self, logits: torch.Tensor) -> Sampled | None:
         """Sample from `logits` [vocab]; the token to output, or None when it was a stop token."""
-        token = self.sampler(logits)
-        return token if self.accept(token) else None
+        sampled = self.sampler.choose(logits)
+        return sampled if self.accept(sampled) else None
 
     def close(self, num_layers: int) -> None:
         """Fill the stats; also when the consumer stops early (a stop string, a cancelled request)."""
@@ -124,6 +97,7 @@ def decode_tokens(
     generation: Generation,
     sampler: Sampler | None = None,
     first_token: int | None = None,
+    prompt_ids=(),
 ) -> Iterator[int]:
     """Sample from first_logits, then decode step by step; yields each token as it is chosen.
 
@@ -132,20 +106,20 @@ def decode_tokens(
     """
     if (first_logits is None) == (first_token is None):
         raise ValueError("give first_logits or first_token")
-    decoding = Decoding(cache, config, params, generation, sampler)
+    decoding = Decoding(cache, config, params, generation, sampler, prompt_ids)
     try:
         if first_token is None:
-            token = decoding.advance(first_logits)
-            if token is None:
+            sampled = decoding.advance(first_logits)
+            if sampled is None:
                 return
-            yield token
+            yield sampled.token
         elif not decoding.accept(first_token):
             return
         while not decoding.done:
-            token = decoding.advance(decode_step(model, cache, decoding.next_token, config))
-            if token is None:
+            sampled = decoding.advance(decode_step(model, cache, decoding.next_token, config))
+            if sampled is None:
                 return
-            yield token
+            yield sampled.token
     finally:
         decoding.close(model.spec.num_layers)
 
@@ -174,7 +148,7 @@ def stream(
     start = time.perf_counter()
     cache, logits = prefill(model, ids, config, reserve=params.max_new_tokens)
     fill_prefill_stats(generation.stats, cache, time.perf_counter() - start)
-    yield from decode_tokens(model, cache, logits, config, params, generation)
+    yield from decode_tokens(model, cache, logits, config, params, generation, prompt_ids=ids)
 
 
 def generate(

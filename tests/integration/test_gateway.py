@@ -375,6 +375,8 @@ def test_tokenize_detokenize_and_version(stack, tiny_text):
     back = httpx.post(f"{url}/detokenize", json={"tokens": reply["tokens"]}, timeout=10).json()
     assert back["prompt"] == "Hello world"
     assert httpx.post(f"{url}/tokenize", json={}, timeout=10).status_code == 400
+    empty = httpx.post(f"{url}/tokenize", json={"messages": []}, timeout=10)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
     assert httpx.post(f"{url}/detokenize", json={"tokens": [10**9]}, timeout=10).json()["error"]["param"] == "tokens"
     assert httpx.get(f"{url}/version", timeout=10).json()["version"] == "0.1.0"
 

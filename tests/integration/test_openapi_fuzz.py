@@ -10,6 +10,8 @@ schema cannot say that: it depends on how many tokens the prompt makes).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -32,6 +34,8 @@ OPERATIONS = [
 ]
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 MAX_NEW_TOKENS = 8
+# More examples on demand (LAZYSERVE_FUZZ_EXAMPLES=500) for a longer hunt than CI's.
+EXAMPLES = int(os.environ.get("LAZYSERVE_FUZZ_EXAMPLES", "25"))
 READ_TIMEOUT_S = 60  # schemathesis' default is 10 s; a loaded CI machine can be that slow on 8 tokens
 _schemas: dict = {}
 
@@ -51,7 +55,7 @@ def test_no_server_errors_and_responses_match_the_schema(api, path, method):
     # No shrinking: each example is an HTTP request that may decode, and shrinking one failure
     # took more than five minutes in CI. The failing example is still reported as drawn.
     @settings(
-        max_examples=25,
+        max_examples=EXAMPLES,
         deadline=None,
         suppress_health_check=list(HealthCheck),
         database=None,

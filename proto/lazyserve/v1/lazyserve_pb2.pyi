@@ -45,18 +45,58 @@ class PruneConfig(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., sink_tokens: _Optional[int] = ..., granularity: _Optional[str] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ..., window: _Optional[int] = ..., pool_kernel: _Optional[int] = ..., pool: _Optional[str] = ..., recent_tokens: _Optional[int] = ..., keep_mass: _Optional[float] = ..., min_keep: _Optional[float] = ..., min_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
     seed: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.RepeatedCompositeFieldContainer[TokenBias]
+    min_tokens: int
+    logprobs: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[TokenBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenBias(_message.Message):
+    __slots__ = ("token_id", "bias")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    bias: float
+    def __init__(self, token_id: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("chosen", "top")
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    chosen: TokenLogprob
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, chosen: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "ttft_s", "decode_s", "prefill_token_layers", "token_layers_computed", "token_layers_full", "revived_token_layers", "kept_per_layer", "kv_cache_bytes", "aux_cache_bytes")
@@ -193,7 +233,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("transfer_id", "first_token", "stats", "num_frames", "kv_bytes_sent", "aux_bytes_sent", "bytes_sent", "transfer_wait_s")
+    __slots__ = ("transfer_id", "first_token", "stats", "num_frames", "kv_bytes_sent", "aux_bytes_sent", "bytes_sent", "transfer_wait_s", "first_logprobs")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +242,7 @@ class PrefillReply(_message.Message):
     AUX_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     first_token: int
     stats: GenerationStats
@@ -210,7 +251,8 @@ class PrefillReply(_message.Message):
     aux_bytes_sent: int
     bytes_sent: int
     transfer_wait_s: float
-    def __init__(self, transfer_id: _Optional[str] = ..., first_token: _Optional[int] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., num_frames: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., aux_bytes_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfer_wait_s: _Optional[float] = ...) -> None: ...
+    first_logprobs: TokenLogprobs
+    def __init__(self, transfer_id: _Optional[str] = ..., first_token: _Optional[int] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., num_frames: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., aux_bytes_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfer_wait_s: _Optional[float] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class LocalPrompt(_message.Message):
     __slots__ = ("prompt_ids", "pruning", "sampling")
@@ -233,14 +275,16 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt: _Optional[_Union[LocalPrompt, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "stats")
+    __slots__ = ("token_ids", "finish_reason", "stats", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     stats: GenerationStats
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

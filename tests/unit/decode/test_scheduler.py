@@ -48,7 +48,7 @@ class Reader:
     def wait(self):
         self.thread.join(timeout=60)
         assert not self.thread.is_alive(), "the sequence never finished"
-        return [value for _, kind, value in self.items if kind == TOKEN], self.items[-1][1:]
+        return [value.token for _, kind, value in self.items if kind == TOKEN], self.items[-1][1:]
 
 
 @pytest.fixture

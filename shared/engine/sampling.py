@@ -1,0 +1,112 @@
+"""Choosing the next token from a row of logits, as vLLM's OpenAI server does.
+
+The order is vLLM's and transformers': the logits are processed first (logit_bias, min_tokens'
+masking of stop tokens, then the repetition, frequency and presence penalties), then greedy
+(temperature 0) takes the argmax, or sampling scales by the temperature and cuts with top_k,
+top_p and min_p, in transformers' warper order. Log-probabilities are the model's own (a
+log-softmax of the logits before any processing, vLLM's default "raw_logprobs"); under pruning
+they are the pruned model's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.contract import Sampled, SamplingParams
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What sampling draws from (temperature > 0): float64 [vocab], zero outside the cuts, not
+    renormalized after top_p and min_p (multinomial does not need it)."""
+    # Shift by the max first and work in float64: a temperature as small as 1e-300 must give the
+    # argmax (probability 1), not inf/inf = NaN (found by schemathesis through the gateway).
+    logits = logits.double()
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
+    if 0 < params.top_k < probs.shape[0]:
+        probs[probs < torch.topk(probs, params.top_k).values[-1]] = 0.0
+        probs /= probs.sum()
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always).
+        outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if params.min_p > 0.0:
+        # Relative to the likeliest token: a cut that does not depend on the renormalizing above.
+        probs[probs < params.min_p * probs.max()] = 0.0
+    return probs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0; otherwise temperature, then top_k, top_p and min_p. logits: [vocab]."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
+
+
+class Sampler:
+    """One sequence's token chooser: the request's parameters, its generator, and what the
+    penalties need (the prompt's tokens and the counts of those generated so far).
+
+    The generator's state travels with a KV transfer, so seeded sampling continues on the decode
+    worker exactly where the prefill worker left it; the decode worker rebuilds the rest from the
+    prompt ids and the first token, which it `observe`s like every other.
+    """
+
+    def __init__(self, params: SamplingParams, state: bytes = b"", prompt_ids=()):
+        self.params = params
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+            if state:
+                self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self.generated = 0
+        self._prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long).unique()
+        self._output: dict[int, int] = {}  # token -> times generated
+
+    def observe(self, token: int) -> None:
+        """Record a token as generated (the penalties and min_tokens count it)."""
+        self.generated += 1
+        self._output[token] = self._output.get(token, 0) + 1
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits after logit_bias, min_tokens and the penalties (a copy when any applies)."""
+        params = self.params
+        if not params.processes_logits:
+            return logits
+        logits = logits.float().clone()
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias)
+            logits[list(ids)] += torch.tensor(biases, dtype=logits.dtype)
+        if self.generated < params.min_tokens and params.stop_token_ids:
+            logits[list(params.stop_token_ids)] = float("-inf")
+        if params.repetition_penalty != 1.0:
+            # transformers' RepetitionPenaltyLogitsProcessor over the prompt and the output, as vLLM.
+            seen = torch.cat([self._prompt, torch.tensor(list(self._output), dtype=torch.long)]).unique()
+            scores = logits[seen]
+            penalty = params.repetition_penalty
+            logits[seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+        if self._output and (params.presence_penalty or params.frequency_penalty):
+            # OpenAI's definition: over the generated tokens only.
+            ids = torch.tensor(list(self._output), dtype=torch.long)
+            counts = torch.tensor(list(self._output.values()), dtype=logits.dtype)
+            logits[ids] -= counts * params.frequency_penalty + params.presence_penalty
+        return logits
+
+    def choose(self, logits: torch.Tensor) -> Sampled:
+        """The next token from `logits` [vocab] (not yet observed), with its log-probabilities if asked."""
+        token = sample(self.process(logits), self.params, self.generator)
+        if self.params.logprobs is None:
+            return Sampled(token)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top = ()
+        if self.params.logprobs:
+            values, ids = torch.topk(logprobs, self.params.logprobs)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        return Sampled(token, float(logprobs[token]), top)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        return self.choose(logits).token
+
+    def state(self) -> bytes:
+        return b"" if self.generator is None else self.generator.get_state().numpy().tobytes()
