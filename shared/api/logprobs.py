@@ -16,7 +16,7 @@ from shared.contract import Sampled
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: the character a BPE token uses for each byte."""
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     return {char: byte for byte, char in bytes_to_unicode().items()}
 
