@@ -53,7 +53,7 @@ def _run(model, prefilled, config, batch_size: int) -> tuple[float, int]:
         sequences = []
         for cache, first, params in prefilled:
             decoding = Decoding(copy.deepcopy(cache), config, params, Generation())
-            sequences.append(Sequence.resumed("bench", decoding, first))
+            sequences += Sequence.resumed("bench", [decoding], [first])
         start = time.perf_counter()
         for sequence in sequences:
             scheduler.submit(sequence)
@@ -61,7 +61,7 @@ def _run(model, prefilled, config, batch_size: int) -> tuple[float, int]:
         for sequence in sequences:
             while (item := sequence.outbox.get(timeout=600))[0] == TOKEN:
                 tokens += 1
-            assert item[1] == "length", item
+            assert item[2] == "length", item
         elapsed = time.perf_counter() - start
     finally:
         scheduler.close()

@@ -31,7 +31,10 @@ def encode_transfer(
     for frame in frames:
         messages += frame_messages(transfer_id, frame, budget)
     first = int(logits.argmax())
-    messages.append(end_message(transfer_id, ids, first, config, params, b"", len(messages) - 1, Stats()))
+    states = [b""] * params.n
+    messages.append(
+        end_message(transfer_id, ids, [first] * params.n, config, params, states, len(messages) - 1, Stats())
+    )
     return cache, messages
 
 

@@ -49,20 +49,40 @@ class Sequence:
     generation: Generation
     decoding: Decoding | None = None  # once the prompt is in the cache
     prefill: PrefillRun | None = None  # a local prefill not finished yet
-    params: SamplingParams | None = None  # with `prefill`: how to decode after it
-    outbox: queue.Queue = field(default_factory=queue.Queue)  # (TOKEN, Sampled) ... then (DONE|FAILED, detail)
+    params: SamplingParams | None = None  # with `prefill`: how to decode after it (all its choices)
+    # (TOKEN, index, Sampled) ... then (DONE|FAILED, index, detail); the choices of one request
+    # (index 0..n-1) share one outbox and one cancelled event.
+    outbox: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     prefill_started: float | None = None  # when its local prefill first ran
+    index: int = 0  # which choice of its request
+    width: int = 1  # how many choices its request has
+    family: list[Sequence] = field(default_factory=list)  # its request's choices by index, itself included
+
+    def __post_init__(self):
+        self.family = self.family or [self]
 
     @classmethod
-    def resumed(cls, request_id: str, decoding: Decoding, first_token: int) -> Sequence:
-        """A transferred cache: the first token was sampled by the prefill worker and sent already."""
-        decoding.accept(first_token)
-        return cls(request_id, decoding.generation, decoding=decoding)
+    def resumed(cls, request_id: str, decodings: list[Decoding], first_tokens: list[int]) -> list[Sequence]:
+        """A transferred cache, one Decoding per choice: each first token was sampled by the prefill
+        worker and sent already."""
+        outbox, cancelled, family = queue.Queue(), threading.Event(), []
+        for index, (decoding, token) in enumerate(zip(decodings, first_tokens)):
+            decoding.accept(token)
+            sequence = cls(request_id, decoding.generation, decoding=decoding, outbox=outbox, cancelled=cancelled)
+            sequence.index, sequence.width, sequence.family = index, len(decodings), family
+            family.append(sequence)
+        return family
 
     @classmethod
     def local(cls, request_id: str, run: PrefillRun, params: SamplingParams) -> Sequence:
-        return cls(request_id, Generation(), prefill=run, params=params)
+        """A prompt to prefill here; its other choices (params.n) join when the prefill is done."""
+        return cls(request_id, Generation(), prefill=run, params=params, width=params.n)
+
+    @property
+    def slots(self) -> int:
+        """Sequences it counts for: a local prefill counts its choices to come."""
+        return self.width if self.prefill is not None else 1
 
     @property
     def held_bytes(self) -> int:
@@ -97,11 +117,13 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, sequence: Sequence) -> None:
+    def submit(self, *sequences: Sequence) -> None:
+        """Take a request's sequences (its choices), all or none."""
         with self._lock:
-            if len(self._active) >= self.max_sequences:
+            held = sum(sequence.slots for sequence in self._active)
+            if held + sum(sequence.slots for sequence in sequences) > self.max_sequences:
                 raise ResourceExhausted(f"this worker is generating {self.max_sequences} sequences already")
-            self._active.append(sequence)
+            self._active.extend(sequences)
             self._lock.notify()
 
     @property
@@ -127,7 +149,7 @@ class Scheduler:
                     self._lock.wait()
                 if self._stop:
                     for sequence in self._active:
-                        sequence.outbox.put((FAILED, "the decode worker is shutting down"))
+                        sequence.outbox.put((FAILED, sequence.index, "the decode worker is shutting down"))
                     return
                 active = list(self._active)
             try:
@@ -158,7 +180,7 @@ class Scheduler:
                 self._retire(sequence, DONE, sequence.generation.finish_reason)
             elif sequence.prefill is not None:
                 prefilling = prefilling or sequence
-            elif len(batch) < self.max_batch_size and sequence.outbox.qsize() < self.max_unsent:
+            elif len(batch) < self.max_batch_size and sequence.outbox.qsize() < self.max_unsent * sequence.width:
                 batch.append(sequence)
         if len(batch) == self.max_batch_size:
             with self._lock:  # those that stepped go to the back: the others go first next time
@@ -180,12 +202,32 @@ class Scheduler:
             return
         if not run.done:
             return
-        fill_prefill_stats(sequence.generation.stats, run.cache, time.perf_counter() - sequence.prefill_started)
-        sequence.decoding = Decoding(
-            run.cache, run.config, sequence.params, sequence.generation, prompt_ids=run.ids.tolist()
-        )
+        ttft_s, prompt_ids = time.perf_counter() - sequence.prefill_started, run.ids.tolist()
+        choices = sequence.params.choices()
+        # Every choice decodes from the one prefill: each gets its own copy of the cache (the
+        # first keeps the original), its own generator, and joins the batch from here.
+        siblings = [sequence] + [
+            Sequence(
+                sequence.request_id,
+                Generation(),
+                outbox=sequence.outbox,
+                cancelled=sequence.cancelled,
+                index=i,
+                family=sequence.family,
+            )
+            for i in range(1, len(choices))
+        ]
+        sequence.family.extend(siblings[1:])
+        caches = [run.cache] + [run.cache.fork() for _ in choices[1:]]
+        for sibling, choice, cache in zip(siblings, choices, caches):
+            fill_prefill_stats(sibling.generation.stats, cache, ttft_s)
+            sibling.decoding = Decoding(cache, run.config, choice, sibling.generation, prompt_ids=prompt_ids)
+            sibling.width = len(choices)
         sequence.prefill = None
-        self._emit(sequence, run.logits)
+        with self._lock:
+            self._active.extend(siblings[1:])
+        for sibling in siblings:
+            self._emit(sibling, run.logits)
 
     def _decode(self, batch: list[Sequence]) -> None:
         steps = [(s.decoding.cache, s.decoding.next_token, s.decoding.config) for s in batch]
@@ -204,7 +246,7 @@ class Scheduler:
     def _emit(self, sequence: Sequence, logits) -> None:
         sampled = sequence.decoding.advance(logits)
         if sampled is not None:
-            sequence.outbox.put((TOKEN, sampled))
+            sequence.outbox.put((TOKEN, sequence.index, sampled))
         if sequence.decoding.done:
             self._retire(sequence, DONE, sequence.generation.finish_reason)
 
@@ -218,4 +260,4 @@ class Scheduler:
             sequence.decoding.close(self.model.spec.num_layers)
             self.revived_token_layers += sequence.generation.stats.revived_token_layers
         sequence.prefill = None
-        sequence.outbox.put((kind, detail))
+        sequence.outbox.put((kind, sequence.index, detail))

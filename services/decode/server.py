@@ -8,6 +8,7 @@ sequences are freed on completion, on cancellation, and when their lease expires
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import uuid
@@ -115,58 +116,62 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             span.end()
 
     def _generate(self, request, context, started: list):
-        sequence = self._sequence(request)
-        started.append(sequence)
-        context.add_callback(sequence.cancelled.set)  # runs when the call ends, cancelled or not
-        self.scheduler.submit(sequence)
-        first = True
-        while True:
-            tokens, end = [], None
-            kind, value = sequence.outbox.get()
+        sequences = self._sequences(request)
+        started.extend(sequences)
+        head = sequences[0]
+        context.add_callback(head.cancelled.set)  # runs when the call ends, cancelled or not
+        self.scheduler.submit(*sequences)
+        remaining, sent = head.width, set()  # choices not finished; choices that sent a response
+        while remaining:
+            items = [head.outbox.get()]
             while True:
-                if kind == TOKEN:
-                    tokens.append(value)  # a Sampled
-                else:
-                    end = (kind, value)
-                    break
                 try:
-                    kind, value = sequence.outbox.get_nowait()
+                    items.append(head.outbox.get_nowait())
                 except queue.Empty:  # send what has been made so far
                     break
-            if end is None:
-                response = _response(tokens)
-                if first:  # the prefill's figures, for a caller that stops early (a stop string)
-                    response.stats.CopyFrom(stats_to_pb(sequence.generation.stats))
-                    first = False
+            tokens: dict[int, list[Sampled]] = {}
+            for kind, index, value in items:
+                if kind == TOKEN:
+                    tokens.setdefault(index, []).append(value)
+                    continue
+                if kind == FAILED:
+                    raise Unavailable(value)
+                if value == "cancelled":
+                    raise Cancelled("generation cancelled")
+                response = _response(tokens.pop(index, []), index)
+                response.finish_reason = value
+                response.stats.CopyFrom(stats_to_pb(head.family[index].generation.stats))
+                sent.add(index)
+                remaining -= 1
                 yield response
-                continue
-            kind, detail = end
-            if kind == FAILED:
-                raise Unavailable(detail)
-            if detail == "cancelled":
-                raise Cancelled("generation cancelled")
-            response = _response(tokens)
-            response.finish_reason = detail
-            response.stats.CopyFrom(stats_to_pb(sequence.generation.stats))
-            yield response
-            return
+            for index, made in tokens.items():
+                response = _response(made, index)
+                if index not in sent:  # the prefill's figures, for a caller that stops early (a stop string)
+                    response.stats.CopyFrom(stats_to_pb(head.family[index].generation.stats))
+                    sent.add(index)
+                yield response
 
-    def _sequence(self, request: pb.GenerateRequest) -> Sequence:
+    def _sequences(self, request: pb.GenerateRequest) -> list[Sequence]:
+        """The request's sequences: one per choice for a transfer; one (whose other choices join
+        after its prefill) for a local prompt."""
         request_id = request.request_id or uuid.uuid4().hex
         source = request.WhichOneof("source")
         if source == "transfer_id":
             assembled = self.transfers.claim(request.transfer_id)
-            generation = Generation(stats=assembled.prefill_stats)
-            generation.stats.completion_tokens = 0
-            sampler = Sampler(assembled.params, assembled.sampler_state, assembled.prompt_ids)
-            decoding = Decoding(assembled.cache, assembled.config, assembled.params, generation, sampler)
-            return Sequence.resumed(request_id, decoding, assembled.first_token)
+            choices = assembled.params.choices()
+            # Copies first, while the transferred cache is untouched; the first choice keeps it.
+            caches = [assembled.cache] + [assembled.cache.fork() for _ in choices[1:]]
+            decodings = []
+            for choice, cache, state in zip(choices, caches, assembled.sampler_states):
+                generation = Generation(stats=dataclasses.replace(assembled.prefill_stats, completion_tokens=0))
+                sampler = Sampler(choice, state, assembled.prompt_ids)
+                decodings.append(Decoding(cache, assembled.config, choice, generation, sampler))
+            return Sequence.resumed(request_id, decodings, assembled.first_tokens)
         if source == "prompt":
             ids, config, params = self._local_request(request.prompt)
             # Prefilled here, a layer at a time between decode steps, on the engine thread.
-            return Sequence.local(
-                request_id, PrefillRun(self.model, ids, config, reserve=params.max_new_tokens), params
-            )
+            run = PrefillRun(self.model, ids, config, reserve=params.max_new_tokens)
+            return [Sequence.local(request_id, run, params)]
         raise InvalidArgument("GenerateRequest needs a transfer_id or a prompt")
 
     def _local_request(self, prompt: pb.LocalPrompt) -> tuple[torch.Tensor, PruneConfig, SamplingParams]:
@@ -195,8 +200,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.transfers.close()
 
 
-def _response(tokens: list[Sampled]) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(token_ids=[sampled.token for sampled in tokens])
+def _response(tokens: list[Sampled], index: int) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(token_ids=[sampled.token for sampled in tokens], index=index)
     if tokens and tokens[0].logprob is not None:  # the request asked for logprobs
         response.logprobs.extend(logprobs_to_pb(sampled) for sampled in tokens)
     return response

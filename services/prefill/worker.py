@@ -107,18 +107,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             stats = Stats()
             fill_prefill_stats(stats, cache, time.perf_counter() - start)
             del cache  # the decode worker gets its own copy; this one is not needed past here
-            sampler = Sampler(params, prompt_ids=request.prompt_ids)
-            first = sampler.choose(logits)
-            first_token = first.token
+            # Each choice's first token from the one prefill, with its own generator.
+            samplers = [Sampler(choice, prompt_ids=request.prompt_ids) for choice in params.choices()]
+            firsts = [sampler.choose(logits) for sampler in samplers]
             waited = time.perf_counter()
             reply = sender.finish(
                 lambda num_frames: end_message(
                     request.transfer_id,
                     request.prompt_ids,
-                    first_token,
+                    [first.token for first in firsts],
                     config,
                     params,
-                    sampler.state(),
+                    [sampler.state() for sampler in samplers],
                     num_frames,
                     stats,
                 )
@@ -138,14 +138,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         )
         return pb.PrefillReply(
             transfer_id=request.transfer_id,
-            first_token=first_token,
+            first_tokens=[first.token for first in firsts],
             stats=stats_to_pb(stats),
             num_frames=sender.num_frames,
             kv_bytes_sent=sender.kv_bytes,
             aux_bytes_sent=sender.aux_bytes,
             bytes_sent=sender.bytes_sent,
             transfer_wait_s=waited,
-            first_logprobs=logprobs_to_pb(first) if first.logprob is not None else None,
+            first_logprobs=[logprobs_to_pb(first) for first in firsts if first.logprob is not None],
         )
 
 

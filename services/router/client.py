@@ -40,12 +40,16 @@ class Tokens:
     ids: list[int]
     stats: Stats | None = None  # on the decode worker's first response: the prefill's figures
     logprobs: list[Sampled] | None = None  # with sampling.logprobs: one per id
+    index: int = 0  # the choice (of sampling.n)
 
 
 @dataclass
 class Finished:
+    """One choice finished; the attempt ends after every choice's (sampling.n)."""
+
     reason: str
     stats: Stats
+    index: int = 0
 
 
 class WorkerFailed(Exception):
@@ -125,10 +129,11 @@ async def generate_on(
         finally:
             span.end()
         yield Prefilled(reply)
-        # The first token may be a stop token; Generate then ends at once with "stop".
-        if reply.first_token not in sampling.stop_token_ids:
-            first = [logprobs_from_pb(reply.first_logprobs)] if reply.HasField("first_logprobs") else None
-            yield Tokens([reply.first_token], stats_from_pb(reply.stats), first)
+        # A first token may be a stop token; Generate then ends that choice at once with "stop".
+        stats, logprobs = stats_from_pb(reply.stats), [logprobs_from_pb(item) for item in reply.first_logprobs]
+        for index, token in enumerate(reply.first_tokens):
+            if token not in sampling.stop_token_ids:
+                yield Tokens([token], stats, logprobs[index : index + 1] or None, index)
         request = pb.GenerateRequest(request_id=request_id, transfer_id=transfer_id)
     span = tracer.start_span("decode", context=parent, kind=SpanKind.CLIENT)
     span.set_attribute("server.address", decode.address)
@@ -136,17 +141,22 @@ async def generate_on(
     call = stub.Generate(
         request, timeout=max(deadline - time.monotonic(), 0.001), metadata=trace_metadata(span) + metadata
     )
+    remaining = sampling.n
     try:
         async for response in call:
             logprobs = [logprobs_from_pb(item) for item in response.logprobs] or None
+            index = response.index
             if response.finish_reason:
                 if response.token_ids:
-                    yield Tokens(list(response.token_ids), None, logprobs)
-                yield Finished(response.finish_reason, stats_from_pb(response.stats))
-                return
+                    yield Tokens(list(response.token_ids), None, logprobs, index)
+                yield Finished(response.finish_reason, stats_from_pb(response.stats), index)
+                remaining -= 1
+                if remaining == 0:
+                    return
+                continue
             if response.token_ids:
                 stats = stats_from_pb(response.stats) if response.HasField("stats") else None
-                yield Tokens(list(response.token_ids), stats, logprobs)
+                yield Tokens(list(response.token_ids), stats, logprobs, index)
         raise UpstreamError(f"decode worker {decode.address} ended the stream without finishing")
     except grpc.aio.AioRpcError as error:
         span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))
@@ -159,6 +169,8 @@ async def generate_on(
 # ---------------------------------------------------------------------- to the end, for tests and benchmarks
 @dataclass
 class Result:
+    """The first choice's tokens, finish and stats; `choices` has every choice's tokens."""
+
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = ""
     stats: Stats = field(default_factory=Stats)
@@ -166,6 +178,7 @@ class Result:
     total_s: float = 0.0
     prefill: pb.PrefillReply | None = None  # None when the decode worker prefilled itself
     logprobs: list[Sampled] = field(default_factory=list)  # with sampling.logprobs
+    choices: dict[int, list[int]] = field(default_factory=dict)  # every choice's tokens (sampling.n)
 
 
 class DecodeClient:
@@ -231,9 +244,11 @@ async def _run(decode, prefill, ids, config, params, auth, timeout) -> Result:
                 result.prefill = event.reply
             elif isinstance(event, Tokens):
                 result.ttft_s = result.ttft_s or time.perf_counter() - start
-                result.tokens.extend(event.ids)
-                result.logprobs.extend(event.logprobs or ())
-            else:
+                result.choices.setdefault(event.index, []).extend(event.ids)
+                if event.index == 0:
+                    result.tokens.extend(event.ids)
+                    result.logprobs.extend(event.logprobs or ())
+            elif event.index == 0:
                 result.finish_reason, result.stats = event.reason, event.stats
     except WorkerFailed as failure:
         raise failure.error from None

@@ -33,7 +33,7 @@ from services.router.metrics import GatewayMetrics
 from services.router.openapi import build_openapi
 from services.router.policy import make_policy
 from services.router.records import RequestRecords
-from services.router.responses import TextJob, stream_events
+from services.router.responses import JobGroup, TextJob, stream_events
 from services.router.settings import GatewaySettings
 from services.router.tracing import (
     annotate_decision,
@@ -59,7 +59,7 @@ from shared.api.serving import (
     RequestError,
     build_response,
     parse_request,
-    prepare,
+    prepare_all,
     validation_message,
     validation_param,
 )
@@ -270,8 +270,8 @@ class Gateway:
         caller = await self.authorize(request)
         parsed = parse_request(url, await self.read_body(request))
         self.check_model(parsed.model)
-        prepared = await off_loop(prepare, self.text, parsed)  # tokenizing is CPU work
-        annotate_request(span, prepared, self.text.spec.num_layers)
+        all_prepared = await off_loop(prepare_all, self.text, parsed)  # tokenizing is CPU work
+        annotate_request(span, all_prepared[0], self.text.spec.num_layers)
         slot = await self.admission.admit(caller)
         streaming = False  # once true, the stream's body gives the slot back
         try:
@@ -279,12 +279,17 @@ class Gateway:
             request_id = request_id_of(request)
             span.set_attribute("gen_ai.response.id", request_id)
             deadline = start + self.settings.request_timeout_s
-            events = self.dispatcher.run(prepared, request_id, deadline, context_of(span))
-            job = TextJob(events, self.text.tokenizer, prepared, self.metrics, start, request_id)
+            jobs = []
+            for index, prepared in enumerate(all_prepared):  # a completions request's list of prompts
+                own_id = request_id if len(all_prepared) == 1 else f"{request_id}-{index}"
+                events = self.dispatcher.run(prepared, own_id, deadline, context_of(span))
+                jobs.append(TextJob(events, self.text.tokenizer, prepared, self.metrics, start, own_id))
+            job = jobs[0] if len(jobs) == 1 else JobGroup(jobs)
             try:
                 decision = await job.route()
             except BaseException as error:
-                await events.aclose()
+                for each in jobs:
+                    await each.events.aclose()
                 await self.record(job, "failed", error)
                 raise
             annotate_decision(span, decision, self.dispatcher.policy.name)
@@ -296,7 +301,7 @@ class Gateway:
             if not streaming:
                 slot.release()
 
-    def _stream(self, job: TextJob, parsed, slot: Slot, span):
+    def _stream(self, job: TextJob | JobGroup, parsed, slot: Slot, span):
         """The SSE body; it holds the request's slot until the stream ends, however it ends."""
         include_usage = bool((parsed.stream_options or {}).get("include_usage"))
         failures = []
@@ -327,7 +332,7 @@ class Gateway:
         weakref.finalize(stream, slot.release)
         return stream
 
-    async def _collect(self, job: TextJob, parsed, span) -> JSONResponse:
+    async def _collect(self, job: TextJob | JobGroup, parsed, span) -> JSONResponse:
         try:
             async for _ in job.deltas():
                 pass
@@ -338,17 +343,9 @@ class Gateway:
         await self.record(job, "ok")
         if job.stats is not None:
             annotate_stats(span, job.stats)
-        span.set_attribute("gen_ai.response.finish_reasons", [job.finish_reason])
-        response = build_response(
-            parsed.model or self.text.name,
-            parsed,
-            job.prepared,
-            job.text,
-            job.finish_reason,
-            job.stats,
-            self.formatter,
-            job.sampled,
-        )
+        span.set_attribute("gen_ai.response.finish_reasons", job.finish_reasons)
+        model = parsed.model or self.text.name
+        response = build_response(model, parsed, job.prepared, job.outputs(), job.stats, self.formatter)
         return JSONResponse(response.model_dump(), headers=job.headers)  # after a retry: where it really ran
 
     # ------------------------------------------------------------------ pieces
@@ -392,7 +389,7 @@ class Gateway:
             raise RequestError(400, "the body must be a JSON object")
         return body
 
-    async def record(self, job: TextJob, outcome: str, error: Exception | None = None) -> None:
+    async def record(self, job: TextJob | JobGroup, outcome: str, error: Exception | None = None) -> None:
         """The request's record in Redis (multi-host mode), written in a thread."""
         if self.records is not None:
             await off_loop(

@@ -5,12 +5,14 @@ The text side (detokenizing, stop strings) lives here, in the gateway: workers d
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass, field
 
 from services.router.client import Finished, Tokens
 from services.router.metrics import GatewayMetrics
@@ -24,13 +26,33 @@ from shared.api.schemas import (
     CompletionChunk,
     CompletionChunkChoice,
 )
-from shared.api.serving import Prepared, metrics_of, usage_of
+from shared.api.serving import Output, Prepared, metrics_of, usage_of
 from shared.contract import Sampled, Stats
 from shared.models.text import Detokenizer
 
 
+@dataclass
+class ChoiceText:
+    """One choice's text side: its detokenizer (stop strings), finish, figures and logprobs."""
+
+    detokenizer: Detokenizer
+    echo: str = ""  # completions with echo: its prompt's text, sent first
+    finish_reason: str = "length"
+    stats: Stats | None = None  # its Finished figures
+    partial_stats: Stats | None = None  # the prefill's figures, sent with its first tokens
+    num_tokens: int = 0
+    sampled: list[Sampled] = field(default_factory=list)  # with logprobs asked: each token's
+
+    @property
+    def open(self) -> bool:
+        return self.stats is None and not self.detokenizer.stopped
+
+    def output(self) -> Output:
+        return Output(self.echo + self.detokenizer.text, self.finish_reason, self.sampled, len(self.echo))
+
+
 class TextJob:
-    """Consumes a dispatcher's events, yielding text deltas; afterwards holds the outcome."""
+    """Consumes a dispatcher's events, yielding text deltas per choice; afterwards holds the outcome."""
 
     def __init__(
         self,
@@ -43,13 +65,11 @@ class TextJob:
     ):
         self.events, self.prepared, self.metrics, self.start = events, prepared, metrics, start
         self.request_id = request_id
-        self.detokenizer = Detokenizer(tokenizer, prepared.stop)
+        self.choices = [
+            ChoiceText(Detokenizer(tokenizer, prepared.stop), prepared.echo) for _ in range(prepared.sampling.n)
+        ]
         self.decision: Decision | None = None
-        self.finish_reason = "length"
-        self.stats: Stats | None = None
-        self.partial_stats: Stats | None = None  # the prefill's figures, sent with the first tokens
-        self.num_tokens = 0
-        self.sampled: list[Sampled] = []  # with logprobs asked: each token's, as they came
+        self.stats: Stats | None = None  # the request's: the first choice's figures, every choice's tokens
         self.ttft_s: float | None = None
 
     async def route(self) -> Decision:
@@ -60,17 +80,18 @@ class TextJob:
         self.decision = event
         return event
 
-    async def deltas(self) -> AsyncIterator[tuple[str, list[Sampled]]]:
-        """(text delta, the log-probabilities of the tokens it came from) as tokens arrive; the
-        text may be held back (a possible stop string) while its tokens' figures are not."""
+    async def deltas(self) -> AsyncIterator[tuple[int, str, list[Sampled]]]:
+        """(choice, text delta, the log-probabilities of the tokens it came from) as tokens arrive;
+        the text may be held back (a possible stop string) while its tokens' figures are not."""
         last = None
         async with aclosing(self.events) as events:
             async for event in events:
                 if isinstance(event, Decision):  # a retry chose again
                     self.decision = event
                 elif isinstance(event, Tokens):
+                    choice = self.choices[event.index]
                     if event.stats is not None:
-                        self.partial_stats = event.stats
+                        choice.partial_stats = event.stats
                     now = time.monotonic()
                     if last is None:
                         self.ttft_s = now - self.start
@@ -78,32 +99,55 @@ class TextJob:
                     else:
                         self.metrics.itl.observe((now - last) / len(event.ids))
                     last = now
-                    self.num_tokens += len(event.ids)
+                    if choice.detokenizer.stopped:  # its stop string came; the others go on
+                        continue
+                    choice.num_tokens += len(event.ids)
                     sampled = event.logprobs or []
-                    self.sampled.extend(sampled)
-                    delta = self.detokenizer.add(event.ids)
+                    choice.sampled.extend(sampled)
+                    delta = choice.detokenizer.add(event.ids)
                     if delta or sampled:
-                        yield delta, sampled
-                    if self.detokenizer.stopped:
-                        self.finish_reason = "stop"
-                        break  # closing the events cancels generation downstream
+                        yield event.index, delta, sampled
+                    if choice.detokenizer.stopped:
+                        choice.finish_reason = "stop"
+                        if not any(c.open for c in self.choices):
+                            break  # closing the events cancels generation downstream
                 elif isinstance(event, Finished):
-                    self.finish_reason, self.stats = event.reason, event.stats
-        if rest := self.detokenizer.flush():
-            yield rest, []
-        if self.stats is None:  # cut short by a stop string: the prefill's figures, the counts seen here
-            self.stats = dataclasses.replace(
-                self.partial_stats or Stats(), prompt_tokens=len(self.prepared.ids), completion_tokens=self.num_tokens
-            )
+                    choice = self.choices[event.index]
+                    choice.stats = event.stats
+                    if not choice.detokenizer.stopped:
+                        choice.finish_reason = event.reason
+        for index, choice in enumerate(self.choices):
+            if rest := choice.detokenizer.flush():
+                yield index, rest, []
+        self.stats = self._request_stats()
         self.metrics.e2e.observe(time.monotonic() - self.start)
         self.metrics.prompt_tokens.inc(self.stats.prompt_tokens)
         self.metrics.completion_tokens.inc(self.stats.completion_tokens)
         if self.stats.token_layers_full:
             self.metrics.computed_fraction.observe(self.stats.computed_fraction)
 
+    def _request_stats(self) -> Stats:
+        """The first choice's figures (one prefill serves every choice), with the prompt counted
+        once and every choice's tokens; a choice cut short by a stop string counts what it sent."""
+        per_choice = []
+        for choice in self.choices:
+            if choice.stats is None or choice.detokenizer.stopped:
+                figures = choice.stats or choice.partial_stats or Stats()
+                per_choice.append(dataclasses.replace(figures, completion_tokens=choice.num_tokens))
+            else:
+                per_choice.append(choice.stats)
+        return dataclasses.replace(
+            per_choice[0],
+            prompt_tokens=len(self.prepared.ids),
+            completion_tokens=sum(stats.completion_tokens for stats in per_choice),
+        )
+
     @property
-    def text(self) -> str:
-        return self.detokenizer.text
+    def finish_reasons(self) -> list[str]:
+        return [choice.finish_reason for choice in self.choices]
+
+    def outputs(self) -> list[Output]:
+        return [choice.output() for choice in self.choices]
 
     @property
     def headers(self) -> dict[str, str]:
@@ -124,12 +168,92 @@ class TextJob:
             "decode": decision and decision.decode.address,
             "prefill": decision and decision.prefill and decision.prefill.address,
             "prompt_tokens": len(self.prepared.ids),
-            "completion_tokens": stats.completion_tokens if stats else self.num_tokens,
-            "finish_reason": self.finish_reason if outcome == "ok" else None,
+            "completion_tokens": stats.completion_tokens if stats else sum(c.num_tokens for c in self.choices),
+            "finish_reason": self.finish_reasons[0] if outcome == "ok" else None,
             "ttft_s": self.ttft_s,
             "e2e_s": time.monotonic() - self.start,
             "error": error,
         }
+
+
+class JobGroup:
+    """The prompts of one completions request, each its own TextJob (routed and run on its own,
+    concurrently), seen as one job: its choices numbered prompt by prompt, as OpenAI numbers them."""
+
+    def __init__(self, jobs: list[TextJob]):
+        self.jobs = jobs
+        self.prepared, self.request_id = jobs[0].prepared, jobs[0].request_id
+        self.choices = [choice for job in jobs for choice in job.choices]
+        self.stats: Stats | None = None
+        self.decision: Decision | None = None
+
+    async def route(self) -> Decision:
+        """Route every prompt; the first one's decision names the response's headers."""
+        decisions = [await job.route() for job in self.jobs]
+        self.decision = decisions[0]
+        return self.decision
+
+    async def deltas(self) -> AsyncIterator[tuple[int, str, list[Sampled]]]:
+        """Every job's deltas as they come, choice indices offset by the choices before them."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(job: TextJob, offset: int) -> None:
+            try:
+                async with aclosing(job.deltas()) as deltas:
+                    async for index, delta, sampled in deltas:
+                        await queue.put((offset + index, delta, sampled))
+            except BaseException as error:  # handed to the consumer, which raises it
+                await queue.put(error)
+                raise
+            await queue.put(done)
+
+        offsets = [0]
+        for job in self.jobs[:-1]:
+            offsets.append(offsets[-1] + len(job.choices))
+        tasks = [asyncio.create_task(pump(job, offset)) for job, offset in zip(self.jobs, offsets)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is done:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:  # a failure or a client gone: the other prompts' generations stop too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        each = [job.stats for job in self.jobs]
+        self.stats = dataclasses.replace(
+            each[0],
+            prompt_tokens=sum(stats.prompt_tokens for stats in each),
+            completion_tokens=sum(stats.completion_tokens for stats in each),
+        )
+
+    @property
+    def ttft_s(self) -> float | None:
+        return min((job.ttft_s for job in self.jobs if job.ttft_s is not None), default=None)
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [reason for job in self.jobs for reason in job.finish_reasons]
+
+    def outputs(self) -> list[Output]:
+        return [output for job in self.jobs for output in job.outputs()]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.jobs[0].headers
+
+    def record(self, outcome: str, error: str | None = None) -> dict:
+        record = self.jobs[0].record(outcome, error)
+        record["prompt_tokens"] = sum(len(job.prepared.ids) for job in self.jobs)
+        if self.stats is not None:
+            record["completion_tokens"] = self.stats.completion_tokens
+        return record
 
 
 def sse(payload: dict | str) -> str:
@@ -139,56 +263,51 @@ def sse(payload: dict | str) -> str:
 async def stream_events(
     job: TextJob, request, model: str, include_usage: bool, on_error, formatter: LogprobFormatter
 ) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending in `data: [DONE]`; an error event on failure."""
+    """Server-sent events in OpenAI's chunk format, ending in `data: [DONE]`; an error event on failure.
+    With n > 1 each chunk carries one choice, by its index, as OpenAI and vLLM send them."""
     chat = isinstance(request, ChatCompletionRequest)
     base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
-    offset = len(job.prepared.echo)  # completions' text_offset: where the next token's text starts
+    # Completions' text_offset: where each choice's next token's text starts.
+    offsets = [len(choice.echo) for choice in job.choices]
 
-    def chunk(delta: str | None, finish=None, role=False, usage=None, metrics=None, sampled=None) -> str:
-        nonlocal offset
+    def chunk(index: int, delta: str | None, finish=None, role=False, sampled=None, metrics=None) -> str:
         if chat:
-            logprobs = formatter.chat(sampled) if sampled else None
-            choices = (
-                []
-                if delta is None and finish is None and not role
-                else [
-                    ChatChunkChoice(
-                        delta=ChatDelta(role="assistant" if role else None, content=delta),
-                        finish_reason=finish,
-                        logprobs=logprobs,
-                    )
-                ]
+            choice = ChatChunkChoice(
+                index=index,
+                delta=ChatDelta(role="assistant" if role else None, content=delta),
+                finish_reason=finish,
+                logprobs=formatter.chat(sampled) if sampled else None,
             )
-            body = ChatCompletionChunk(**base, choices=choices, usage=usage, metrics=metrics)
+            body = ChatCompletionChunk(**base, choices=[choice], metrics=metrics)
         else:
             logprobs = None
             if sampled:
-                logprobs = formatter.completion(sampled, offset)
-                offset += sum(map(len, logprobs["tokens"]))
-            choices = (
-                []
-                if delta is None and finish is None
-                else [CompletionChunkChoice(text=delta or "", finish_reason=finish, logprobs=logprobs)]
-            )
-            body = CompletionChunk(**base, choices=choices, usage=usage, metrics=metrics)
+                logprobs = formatter.completion(sampled, offsets[index])
+                offsets[index] += sum(map(len, logprobs["tokens"]))
+            choice = CompletionChunkChoice(index=index, text=delta or "", finish_reason=finish, logprobs=logprobs)
+            body = CompletionChunk(**base, choices=[choice], metrics=metrics)
         return sse(_chunk_dump(body))
 
     try:
-        if chat:
-            yield chunk("", role=True)
-        elif job.prepared.echo:
-            yield chunk(job.prepared.echo)
+        for index in range(len(job.choices)):
+            if chat:
+                yield chunk(index, "", role=True)
+            elif job.choices[index].echo:
+                yield chunk(index, job.choices[index].echo)
         async with aclosing(job.deltas()) as deltas:  # leaving early cancels downstream at once
-            async for delta, sampled in deltas:
-                yield chunk(delta, sampled=sampled)
+            async for index, delta, sampled in deltas:
+                yield chunk(index, delta, sampled=sampled)
     except Exception as error:  # after the stream began, a failure is an event, never a dropped stream
         status, body = on_error(error)
         yield sse({"error": body.model_dump()})
         return
     metrics = metrics_of(job.stats, job.prepared.pruning_label)
-    yield chunk(None if chat else "", finish=job.finish_reason, metrics=metrics)
+    last = len(job.choices) - 1
+    for index, reason in enumerate(job.finish_reasons):
+        yield chunk(index, None if chat else "", finish=reason, metrics=metrics if index == last else None)
     if include_usage:
-        yield chunk(None, usage=usage_of(job.stats))
+        kind = ChatCompletionChunk if chat else CompletionChunk
+        yield sse(kind(**base, choices=[], usage=usage_of(job.stats)).model_dump(exclude_none=True))
     yield sse("[DONE]")
 
 

@@ -65,7 +65,7 @@ def finish_request_span(span, job=None, error: Exception | None = None, status_c
     if job is not None:
         if job.stats is not None:
             annotate_stats(span, job.stats)
-        span.set_attribute("gen_ai.response.finish_reasons", [job.finish_reason])
+        span.set_attribute("gen_ai.response.finish_reasons", job.finish_reasons)
         if job.ttft_s is not None:
             span.set_attribute("lazyserve.ttft_s", job.ttft_s)
     if status_code is not None:

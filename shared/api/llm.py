@@ -5,13 +5,17 @@ The engine sees token ids only; the text side (tokenizer, template, stop strings
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from shared.api.logprobs import LogprobFormatter
 from shared.api.schemas import ChatCompletion, TextCompletion
-from shared.api.serving import RequestError, build_response, parse_request, prepare
-from shared.engine import Generation, PruneConfig, SamplingParams, stream
+from shared.api.serving import Output, RequestError, build_response, parse_request, prepare_all
+from shared.engine import Generation, PruneConfig, SamplingParams, decode_tokens, fill_prefill_stats, prefill, stream
 from shared.models.text import Detokenizer, TextModel
 from shared.models.weights import LoadedModel
 
@@ -44,28 +48,50 @@ class LLM(TextModel):
         stop: list[str] | None = None,
         completion: Completion | None = None,
     ) -> Iterator[str]:
-        """Yield text deltas as tokens come; `completion` holds the final text and stats."""
+        """Yield text deltas as tokens come (one choice); `completion` holds the final text and stats."""
         completion = completion if completion is not None else Completion()
-        detokenizer = Detokenizer(self.tokenizer, stop)
         tokens = stream(self.engine, ids, pruning, sampling, completion.generation)
-        # The same loop as the gateway's TextJob.deltas, over an in-process token stream.
-        for token in tokens:
-            completion.num_read += 1
-            if delta := detokenizer.add([token]):
-                yield delta
-            if detokenizer.stopped:
-                completion.generation.finish_reason = "stop"
-                tokens.close()  # runs the generator's cleanup, so stats are filled
-                break
-        completion.text = detokenizer.text
-        if rest := detokenizer.flush():
-            yield rest
+        yield from _read(tokens, Detokenizer(self.tokenizer, stop), completion)
 
     def complete(self, ids, sampling, pruning, stop=None) -> Completion:
-        completion = Completion()
-        for _ in self.stream_text(ids, sampling, pruning, stop, completion):
-            pass
+        """One choice to the end (sampling.n must be 1; `complete_choices` takes any n)."""
+        [completion] = self.complete_choices(ids, sampling, pruning, stop)
         return completion
+
+    def complete_choices(self, ids, sampling: SamplingParams, pruning: PruneConfig, stop=None) -> list[Completion]:
+        """Every choice (sampling.n) decoded from one prefill, each with its own copy of the cache."""
+        pruning.check_for(self.engine.spec.num_layers)
+        start = time.perf_counter()
+        ids_t = torch.as_tensor(ids, dtype=torch.long)
+        cache, logits = prefill(self.engine, ids_t, pruning, reserve=sampling.max_new_tokens)
+        ttft_s = time.perf_counter() - start
+        choices = sampling.choices()
+        caches = [cache] + [cache.fork() for _ in choices[1:]]
+        completions = []
+        for choice, own in zip(choices, caches):
+            completion = Completion()
+            fill_prefill_stats(completion.generation.stats, own, ttft_s)
+            tokens = decode_tokens(self.engine, own, logits, pruning, choice, completion.generation, prompt_ids=ids)
+            for _ in _read(tokens, Detokenizer(self.tokenizer, stop), completion):
+                pass
+            completions.append(completion)
+        return completions
+
+
+def _read(tokens: Iterator[int], detokenizer: Detokenizer, completion: Completion) -> Iterator[str]:
+    """The same loop as the gateway's TextJob.deltas, over an in-process token stream."""
+    for token in tokens:
+        completion.num_read += 1
+        if delta := detokenizer.add([token]):
+            yield delta
+        if detokenizer.stopped:
+            completion.generation.finish_reason = "stop"
+            tokens.close()  # runs the generator's cleanup, so stats are filled
+            break
+    completion.text = detokenizer.text
+    if rest := detokenizer.flush():
+        yield rest
+    completion.text = detokenizer.text
 
 
 def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
@@ -73,10 +99,20 @@ def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
     request = parse_request(url, body)
     if request.stream:
         raise RequestError(400, "stream is not available here", param="stream")
-    prepared = prepare(llm, request)
-    completion = llm.complete(prepared.ids, prepared.sampling, prepared.pruning, prepared.stop)
-    generation = completion.generation
-    sampled = generation.logprobs[: completion.num_read]
-    return build_response(
-        llm.name, request, prepared, completion.text, completion.finish_reason, generation.stats, llm.formatter, sampled
+    outputs, stats = [], []
+    all_prepared = prepare_all(llm, request)
+    for prepared in all_prepared:  # each prompt of a list, each with its n choices
+        completions = llm.complete_choices(prepared.ids, prepared.sampling, prepared.pruning, prepared.stop)
+        outputs += [
+            Output(
+                prepared.echo + c.text, c.finish_reason, c.generation.logprobs[: c.num_read], len(prepared.echo)
+            )
+            for c in completions
+        ]
+        stats += [c.generation.stats for c in completions]
+    total = dataclasses.replace(
+        stats[0],
+        prompt_tokens=sum(len(prepared.ids) for prepared in all_prepared),
+        completion_tokens=sum(item.completion_tokens for item in stats),
     )
+    return build_response(llm.name, request, all_prepared[0], outputs, total, llm.formatter)

@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from shared.contract import MAX_LOGPROBS, PRESET_NAMES, PruneConfig
+from shared.contract import MAX_LOGPROBS, MAX_N, PRESET_NAMES, PruneConfig
 
 PruningField = Literal[PRESET_NAMES] | PruneConfig
 
@@ -60,7 +60,7 @@ class _Request(BaseModel):
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: StrictInt = Field(1, ge=1, le=1, description="only n=1 is served")
+    n: StrictInt = Field(1, ge=1, le=MAX_N, description="choices, sampled from one prefill")
     seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64, description="any 64-bit integer, signed or not")
     stop: Text | list[Text] | None = None
     stream: StrictBool = False
@@ -172,8 +172,17 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens or self.max_tokens
 
 
+MAX_PROMPTS = 16  # prompts in one completions request (each with its n choices)
+TokenIds = list[StrictInt]
+
+
 class CompletionRequest(_Request):
-    prompt: Text | list[StrictInt]
+    prompt: (
+        Text
+        | TokenIds
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(description=f"a string or token ids, or a list of up to {MAX_PROMPTS} of either (one choice each)")
     max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = Field(False, description="the prompt's text before the completion's")
@@ -190,6 +199,14 @@ class CompletionRequest(_Request):
     @property
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: one, or the list's."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -6,7 +6,7 @@ says what to change; the edges (batch lines, FastAPI handlers, gRPC) translate i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
@@ -96,6 +96,20 @@ class Prepared:
     echo: str = ""  # completions with echo: the prompt's text, put before the output
 
 
+def prepare_all(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) -> list[Prepared]:
+    """One Prepared per prompt: a completions request may carry a list of prompts (each gets
+    its n choices, numbered in order); every prompt is checked before any runs."""
+    if isinstance(request, ChatCompletionRequest) or len(request.prompts) == 1:
+        return [prepare(llm, request)]
+    prepared = []
+    for index, prompt in enumerate(request.prompts):
+        try:
+            prepared.append(prepare(llm, request.model_copy(update={"prompt": prompt})))
+        except RequestError as error:
+            raise RequestError(error.status_code, f"prompt {index}: {error.message}", error.param, error.code) from None
+    return prepared
+
+
 def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) -> Prepared:
     chat = isinstance(request, ChatCompletionRequest)
     if chat:
@@ -149,6 +163,7 @@ def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) 
         logit_bias=_logit_bias(llm, request),
         min_tokens=_min_tokens(request, max_tokens),
         logprobs=request.logprobs_count,
+        n=request.n,
     )
     echo = ""
     if isinstance(request, CompletionRequest) and request.echo:
@@ -197,27 +212,50 @@ def usage_of(stats: Stats) -> Usage:
     )
 
 
+@dataclass
+class Output:
+    """One choice as generated: its text (after echo, before a stop string), why it ended, and with
+    logprobs asked each of its tokens' figures."""
+
+    text: str
+    finish_reason: str
+    sampled: list[Sampled] = field(default_factory=list)
+    offset: int = 0  # where the generated text starts in `text` (after an echoed prompt)
+
+
 def build_response(
     model: str,
     request: ChatCompletionRequest | CompletionRequest,
     prepared: Prepared,
-    text: str,
-    finish_reason: str,
+    outputs: list[Output],
     stats: Stats,
     formatter: LogprobFormatter | None = None,
-    sampled: list[Sampled] = (),
 ) -> ChatCompletion | TextCompletion:
-    """The response body; with logprobs asked, `sampled` holds each output token's (formatter: the model's)."""
+    """The response body: one choice per output, in order; `stats` the request's (usage, metrics)."""
     usage, metrics = usage_of(stats), metrics_of(stats, prepared.pruning_label)
     model = request.model or model
     wants_logprobs = prepared.sampling.logprobs is not None
     if isinstance(request, ChatCompletionRequest):
-        logprobs = formatter.chat(list(sampled)) if wants_logprobs else None
-        choice = ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish_reason, logprobs=logprobs)
-        return ChatCompletion(model=model, choices=[choice], usage=usage, metrics=metrics)
-    logprobs = formatter.completion(list(sampled), len(prepared.echo)) if wants_logprobs else None
-    choice = CompletionChoice(text=prepared.echo + text, finish_reason=finish_reason, logprobs=logprobs)
-    return TextCompletion(model=model, choices=[choice], usage=usage, metrics=metrics)
+        choices = [
+            ChatChoice(
+                index=index,
+                message=ChatMessageOut(content=out.text),
+                finish_reason=out.finish_reason,
+                logprobs=formatter.chat(out.sampled) if wants_logprobs else None,
+            )
+            for index, out in enumerate(outputs)
+        ]
+        return ChatCompletion(model=model, choices=choices, usage=usage, metrics=metrics)
+    choices = [
+        CompletionChoice(
+            index=index,
+            text=out.text,
+            finish_reason=out.finish_reason,
+            logprobs=formatter.completion(out.sampled, out.offset) if wants_logprobs else None,
+        )
+        for index, out in enumerate(outputs)
+    ]
+    return TextCompletion(model=model, choices=choices, usage=usage, metrics=metrics)
 
 
 def choice_text(body: dict) -> str:

@@ -8,7 +8,7 @@ build on it.
 
 from shared.contract.model import SUPPORTED_MODEL_TYPES, ModelSpec, UnsupportedModelError
 from shared.contract.pruning import OFF, PRESET_NAMES, PRESETS, PruneConfig, default_pruning, preset
-from shared.contract.sampling import MAX_LOGPROBS, Sampled, SamplingParams
+from shared.contract.sampling import MAX_LOGPROBS, MAX_N, Sampled, SamplingParams
 from shared.contract.stats import Stats
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "ModelSpec",
     "PruneConfig",
     "MAX_LOGPROBS",
+    "MAX_N",
     "Sampled",
     "SamplingParams",
     "Stats",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,7 @@ class Sampled:
 
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_N = 16  # choices per request: each holds its own copy of the prompt's cache
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # stop tokens are masked until this many tokens are out
     logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the k likeliest
+    n: int = 1  # choices sampled from one prefill
 
     def __post_init__(self):
         # Explicit checks, not asserts: they hold under `python -O` too.
@@ -59,6 +61,17 @@ class SamplingParams:
             raise ValueError("min_tokens must be in [0, max_new_tokens]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}]")
+
+    def choices(self) -> list[SamplingParams]:
+        """Each choice's own parameters: n = 1, and with a seed, seed + i (as vLLM's parallel
+        sampling does), so that seeded choices differ from each other and repeat across runs."""
+        if self.n == 1:
+            return [self]
+        # Modulo 2**64: the generator's seed range, which maps a negative seed the same way.
+        seeds = [None if self.seed is None else (self.seed + i) % 2**64 for i in range(self.n)]
+        return [replace(self, n=1, seed=seed) for seed in seeds]
 
     @property
     def processes_logits(self) -> bool:

@@ -80,6 +80,8 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         message.repetition_penalty = params.repetition_penalty
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.n != 1:
+        message.n = params.n
     if params.seed is not None:
         # uint64 on the wire; torch.Generator.manual_seed maps a negative seed the same way.
         message.seed = params.seed % 2**64
@@ -111,6 +113,7 @@ def sampling_from_pb(message: pb.SamplingParams, vocab_size: int) -> SamplingPar
             logit_bias=tuple((item.token_id, item.bias) for item in message.logit_bias),
             min_tokens=message.min_tokens,
             logprobs=message.logprobs if message.HasField("logprobs") else None,
+            n=message.n or 1,
         )
     except ValueError as error:  # the contract's own range checks (NaN included)
         raise FrameError(f"sampling: {error}") from None

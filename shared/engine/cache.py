@@ -11,6 +11,7 @@ requires `depth[p] == l`: that check, made on every write, is the at-most-once r
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -182,6 +183,11 @@ class LazyCache:
         hidden = entries.hidden[rows]
         self.aux[layer] = AuxEntries(entries.positions[keep], entries.hidden[keep])
         return hidden
+
+    def fork(self) -> LazyCache:
+        """An independent copy, for another choice decoded from the same prefill. The cache is not
+        paged, so the choices cannot share blocks: each holds its own K/V and Aux Cache."""
+        return copy.deepcopy(self)
 
     def reserve(self, extra: int) -> None:
         """Make each layer's room exactly its rows plus `extra`: done once when a transfer is

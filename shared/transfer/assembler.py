@@ -33,10 +33,10 @@ class Assembled:
 
     cache: LazyCache
     prompt_ids: list[int]
-    first_token: int
+    first_tokens: list[int]  # one per choice (params.n)
     config: PruneConfig
     params: SamplingParams
-    sampler_state: bytes
+    sampler_states: list[bytes]  # one per choice
     prefill_stats: Stats
 
 
@@ -143,24 +143,29 @@ class TransferAssembler:
         if len(end.prompt_ids) != n:
             raise FrameError(f"prompt_ids has {len(end.prompt_ids)} tokens; the header announced {n}")
         check_token_ids(end.prompt_ids, spec.vocab_size, "prompt_ids")
-        check_token_ids([end.first_token], spec.vocab_size, "first_token")
+        check_token_ids(end.first_tokens, spec.vocab_size, "first_tokens")
         config = pruning_from_pb(end.pruning, spec.num_layers)
         params = sampling_from_pb(end.sampling, spec.vocab_size)
+        if len(end.first_tokens) != params.n or len(end.sampler_states) != params.n:
+            raise FrameError(
+                f"sampling.n is {params.n}: {len(end.first_tokens)} first_tokens and {len(end.sampler_states)} "
+                "sampler_states (one of each per choice)"
+            )
         if n + params.max_new_tokens > self.max_prompt:
             raise FrameError(
                 f"{n} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the context of {self.max_prompt}"
             )
-        if end.sampler_state and (params.seed is None or len(end.sampler_state) != SAMPLER_STATE_BYTES):
-            raise FrameError(f"sampler_state must be empty, or {SAMPLER_STATE_BYTES} bytes with a seed")
+        if any(state and (params.seed is None or len(state) != SAMPLER_STATE_BYTES) for state in end.sampler_states):
+            raise FrameError(f"a sampler_state must be empty, or {SAMPLER_STATE_BYTES} bytes with a seed")
         # Room for the generated tokens now, on the receiving thread, not at the first decode steps.
         cache.reserve(params.max_new_tokens)
         return Assembled(
             cache,
             list(end.prompt_ids),
-            end.first_token,
+            list(end.first_tokens),
             config,
             params,
-            end.sampler_state,
+            list(end.sampler_states),
             stats_from_pb(end.prefill_stats),
         )
 

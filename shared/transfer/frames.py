@@ -68,10 +68,10 @@ def frame_messages(transfer_id: str, frame: LayerFrame, budget: int = DEFAULT_FR
 def end_message(
     transfer_id: str,
     prompt_ids: Sequence[int],
-    first_token: int,
+    first_tokens: Sequence[int],
     config: PruneConfig,
     params: SamplingParams,
-    sampler_state: bytes,
+    sampler_states: Sequence[bytes],
     num_frames: int,
     prefill_stats: Stats,
 ) -> pb.TransferMessage:
@@ -79,10 +79,10 @@ def end_message(
         end=pb.TransferEnd(
             transfer_id=transfer_id,
             prompt_ids=list(prompt_ids),
-            first_token=first_token,
+            first_tokens=list(first_tokens),
             pruning=pruning_to_pb(config),
             sampling=sampling_to_pb(params),
-            sampler_state=sampler_state,
+            sampler_states=list(sampler_states),
             num_frames=num_frames,
             prefill_stats=stats_to_pb(prefill_stats),
         )

@@ -197,3 +197,101 @@ def test_bad_completion_parameters(stack):
     ]:
         reply = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+@pytest.fixture
+def workers(tiny_llama, decode_worker, prefill_worker, gateway):
+    decode, client = decode_worker(tiny_llama)
+    prefill = prefill_worker(tiny_llama)
+    running = gateway(
+        prefill_workers=[prefill.address], decode_workers=[decode.address], local_threshold=512, pruning_preset="off"
+    )
+    return running, prefill, client
+
+
+@pytest.mark.parametrize("n", [40, LONG], ids=["local", "disaggregated"])
+def test_n_choices_share_one_prefill(workers, tiny_llama, n):
+    running, prefill, decode = workers
+    client = running.openai()
+    ids = random_ids(tiny_llama, n, seed=n + 2)
+    args = dict(model="tiny-llama", prompt=ids, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    prefills = prefill.servicer.counters.completed
+    reply = client.completions.create(n=3, seed=11, **args)
+    assert prefill.servicer.counters.completed == prefills + (n >= 512)  # one prefill for three choices
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    # Choice i samples as a single request seeded seed + i (vLLM's parallel sampling).
+    singles = [client.completions.create(seed=11 + i, **args).choices[0].text for i in range(3)]
+    assert [c.text for c in reply.choices] == singles
+    assert len(set(singles)) > 1
+    assert reply.usage.completion_tokens == 24 and reply.usage.prompt_tokens == n
+    # Streamed: each chunk names its choice; put together they are the same three texts.
+    texts = ["", "", ""]
+    finishes = {}
+    for chunk in client.completions.create(n=3, seed=11, stream=True, **args):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == singles and finishes == {0: "length", 1: "length", 2: "length"}
+    # The in-process path (run-batch) gives the same choices.
+    body = {"prompt": ids, "max_tokens": 8, "temperature": 1.0, "ignore_eos": True, "n": 3, "seed": 11}
+    local = respond(LLM(tiny_llama), "/v1/completions", body).model_dump()
+    assert [c["text"] for c in local["choices"]] == singles
+    # Nothing is left held on the decode worker.
+    status = decode.status()
+    assert status.sequences_active == 0 and status.bytes_held == 0
+
+
+def test_n_chat_choices_with_a_stop_string_end_each_on_its_own(workers):
+    running, _, _ = workers
+    client = running.openai()
+    args = dict(model="tiny-llama", messages=MESSAGES, max_tokens=12, temperature=1.0, seed=5)
+    singles = [client.chat.completions.create(**{**args, "seed": 5 + i}).choices[0].message.content for i in range(4)]
+    # A stop string taken from the middle of one choice's text cuts that one (and any other that has it).
+    word = singles[1][len(singles[1]) // 2 :][:3]
+    reply = client.chat.completions.create(n=4, stop=[word], **args)
+    for choice, single in zip(reply.choices, singles):
+        if word in single:
+            assert choice.message.content == single[: single.index(word)] and choice.finish_reason == "stop"
+        else:
+            assert choice.message.content == single
+    assert reply.choices[1].finish_reason == "stop"
+    with pytest.raises(Exception) as error:
+        client.chat.completions.create(n=17, **args)
+    assert "n" == error.value.body["param"]
+
+
+def test_a_list_of_prompts_gives_one_choice_each_in_order(workers, tiny_llama):
+    running, _, _ = workers
+    client = running.openai()
+    prompts = ["The sky is", "Two plus two is", "Paris is the capital of"]
+    args = dict(model="tiny-llama", max_tokens=6, temperature=0)
+    singles = [client.completions.create(prompt=p, **args).choices[0].text for p in prompts]
+    reply = client.completions.create(prompt=prompts, **args)
+    assert [c.index for c in reply.choices] == [0, 1, 2] and [c.text for c in reply.choices] == singles
+    single_usage = [client.completions.create(prompt=p, **args).usage.prompt_tokens for p in prompts]
+    assert reply.usage.prompt_tokens == sum(single_usage)
+    # Token-id lists, one long enough to go through the prefill worker, with n = 2: choices
+    # numbered prompt by prompt.
+    ids = [random_ids(tiny_llama, 30, seed=1), random_ids(tiny_llama, LONG, seed=2)]
+    reply = client.completions.create(prompt=ids, n=2, **args)
+    expected = [client.completions.create(prompt=p, **args).choices[0].text for p in ids]
+    assert [c.text for c in reply.choices] == [expected[0], expected[0], expected[1], expected[1]]
+    # Streamed, with echo: each choice's text is its prompt's, then its completion.
+    texts = [""] * 3
+    for chunk in client.completions.create(prompt=prompts, stream=True, echo=True, **args):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [p + s for p, s in zip(prompts, singles)]
+    # run-batch's in-process path gives the same.
+    local = respond(LLM(tiny_llama), "/v1/completions", {"prompt": prompts, "max_tokens": 6, "temperature": 0})
+    assert [c["text"] for c in local.model_dump()["choices"]] == singles
+
+
+def test_bad_prompt_lists_are_a_400(workers, tiny_text):
+    running, _, _ = workers
+    url = f"{running.url}/v1/completions"
+    for prompt in ([1, "a"], [["a"]], [], ["ok", ""], ["x"] * 17, [[1], [10**9]]):
+        reply = httpx.post(url, json={"prompt": prompt, "max_tokens": 2}, timeout=30)
+        assert reply.status_code == 400, (prompt, reply.text)
+        assert reply.json()["error"]["param"].startswith("prompt"), reply.json()

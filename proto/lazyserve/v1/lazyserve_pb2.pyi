@@ -45,7 +45,7 @@ class PruneConfig(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., sink_tokens: _Optional[int] = ..., granularity: _Optional[str] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ..., window: _Optional[int] = ..., pool_kernel: _Optional[int] = ..., pool: _Optional[str] = ..., recent_tokens: _Optional[int] = ..., keep_mass: _Optional[float] = ..., min_keep: _Optional[float] = ..., min_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "n")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -72,7 +73,8 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.RepeatedCompositeFieldContainer[TokenBias]
     min_tokens: int
     logprobs: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[TokenBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    n: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[TokenBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class TokenBias(_message.Message):
     __slots__ = ("token_id", "bias")
@@ -179,24 +181,24 @@ class KVFrame(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., aux_positions: _Optional[_Iterable[int]] = ..., aux_hidden: _Optional[_Union[Tensor, _Mapping]] = ..., crc32c: _Optional[int] = ..., query_positions: _Optional[_Iterable[int]] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class TransferEnd(_message.Message):
-    __slots__ = ("transfer_id", "prompt_ids", "first_token", "pruning", "sampling", "sampler_state", "num_frames", "prefill_stats")
+    __slots__ = ("transfer_id", "prompt_ids", "pruning", "sampling", "num_frames", "prefill_stats", "first_tokens", "sampler_states")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PRUNING_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_STATS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_STATES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
-    first_token: int
     pruning: PruneConfig
     sampling: SamplingParams
-    sampler_state: bytes
     num_frames: int
     prefill_stats: GenerationStats
-    def __init__(self, transfer_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sampler_state: _Optional[bytes] = ..., num_frames: _Optional[int] = ..., prefill_stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+    first_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampler_states: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, transfer_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_frames: _Optional[int] = ..., prefill_stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., first_tokens: _Optional[_Iterable[int]] = ..., sampler_states: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TransferMessage(_message.Message):
     __slots__ = ("header", "frame", "end")
@@ -233,9 +235,9 @@ class PrefillRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("transfer_id", "first_token", "stats", "num_frames", "kv_bytes_sent", "aux_bytes_sent", "bytes_sent", "transfer_wait_s", "first_logprobs")
+    __slots__ = ("transfer_id", "first_tokens", "stats", "num_frames", "kv_bytes_sent", "aux_bytes_sent", "bytes_sent", "transfer_wait_s", "first_logprobs")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -244,15 +246,15 @@ class PrefillReply(_message.Message):
     TRANSFER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
-    first_token: int
+    first_tokens: _containers.RepeatedScalarFieldContainer[int]
     stats: GenerationStats
     num_frames: int
     kv_bytes_sent: int
     aux_bytes_sent: int
     bytes_sent: int
     transfer_wait_s: float
-    first_logprobs: TokenLogprobs
-    def __init__(self, transfer_id: _Optional[str] = ..., first_token: _Optional[int] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., num_frames: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., aux_bytes_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfer_wait_s: _Optional[float] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
+    first_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, transfer_id: _Optional[str] = ..., first_tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., num_frames: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., aux_bytes_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfer_wait_s: _Optional[float] = ..., first_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class LocalPrompt(_message.Message):
     __slots__ = ("prompt_ids", "pruning", "sampling")
@@ -275,16 +277,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt: _Optional[_Union[LocalPrompt, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "stats", "logprobs")
+    __slots__ = ("token_ids", "finish_reason", "stats", "logprobs", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     stats: GenerationStats
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -27,7 +27,8 @@ def _resumed(model, name: str, ids, config, params) -> Sequence:
     """As a transfer arrives: prefilled elsewhere, the first token sampled and sent already."""
     cache, logits = prefill(model, ids, config, reserve=params.max_new_tokens)
     decoding = Decoding(cache, config, params, Generation())
-    return Sequence.resumed(name, decoding, decoding.sampler(logits))
+    [sequence] = Sequence.resumed(name, [decoding], [decoding.sampler(logits)])
+    return sequence
 
 
 class Reader:
@@ -40,7 +41,7 @@ class Reader:
 
     def _read(self, sequence):
         while True:
-            kind, value = sequence.outbox.get(timeout=60)
+            kind, _, value = sequence.outbox.get(timeout=60)
             self.items.append((time.monotonic(), kind, value))
             if kind != TOKEN:
                 return

@@ -101,7 +101,9 @@ def _prompt(loaded, n=60, seed=0):
     return torch.randint(3, loaded.engine.spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("config", [OFF, PruneConfig(mode="lazy", stages=((1, 1.0), (3, 1.0)))], ids=["off", "keep-all"])
+@pytest.mark.parametrize(
+    "config", [OFF, PruneConfig(mode="lazy", stages=((1, 1.0), (3, 1.0)))], ids=["off", "keep-all"]
+)
 def test_greedy_generation_with_processors_equals_transformers_generate(tiny_llama, config):
     ids, eos = _prompt(tiny_llama), tiny_llama.stop_token_ids
     model = tiny_llama.engine

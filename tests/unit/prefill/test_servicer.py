@@ -87,14 +87,15 @@ def test_the_transfer_is_the_in_process_prefill(tiny_llama, servicer, config):
     reply = servicer.Prefill(_request(ids, config, params), Context())
     sender = servicer.senders[-1]
     cache, logits = prefill(tiny_llama.engine, torch.tensor(ids), config)
-    assert reply.first_token == int(logits.argmax()) == generate(tiny_llama.engine, ids, config, params).tokens[0]
+    expected = generate(tiny_llama.engine, ids, config, params).tokens[:1]
+    assert list(reply.first_tokens) == [int(logits.argmax())] == expected
     assert reply.stats.prefill_token_layers == cache.computed_token_layers
     assert list(reply.stats.kept_per_layer) == cache.kept_per_layer
     got = sender.assembled.cache
     for layer in range(tiny_llama.engine.spec.num_layers):
         assert torch.equal(got.layers[layer].positions, cache.layers[layer].positions)
         assert torch.equal(got.layers[layer].k, cache.layers[layer].k)
-    assert sender.assembled.first_token == reply.first_token and not sender.aborted
+    assert sender.assembled.first_tokens == list(reply.first_tokens) and not sender.aborted
     assert servicer.counters.completed == 1
 
 

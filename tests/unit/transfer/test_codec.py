@@ -220,13 +220,14 @@ def test_a_model_that_does_not_match_is_refused(tiny_llama, smollm2):
     [
         (lambda end: end.prompt_ids.__setitem__(0, 10**6), "outside the vocabulary"),
         (lambda end: end.prompt_ids.pop(), "prompt_ids has"),
-        (lambda end: setattr(end, "first_token", 10**6), "first_token"),
+        (lambda end: end.first_tokens.__setitem__(0, 10**6), "first_tokens"),
         (lambda end: end.pruning.stages.add(layer=5, keep_fraction=0.1), "pruning"),
         (lambda end: setattr(end.pruning, "mode", "sometimes"), "pruning"),
         (lambda end: setattr(end.sampling, "top_p", 1.5), "top_p"),
         (lambda end: setattr(end.sampling, "max_new_tokens", 0), "max_new_tokens"),
         (lambda end: setattr(end.sampling, "temperature", float("nan")), "temperature"),
-        (lambda end: setattr(end, "sampler_state", b"x" * 10), "sampler_state"),
+        (lambda end: end.sampler_states.__setitem__(0, b"x" * 10), "sampler_state"),
+        (lambda end: end.first_tokens.append(5), "one of each per choice"),
     ],
     ids=[
         "prompt id",
@@ -238,6 +239,7 @@ def test_a_model_that_does_not_match_is_refused(tiny_llama, smollm2):
         "max_new_tokens",
         "nan",
         "sampler",
+        "choices",
     ],
 )
 def test_bad_end_is_refused(tiny_llama, edit, reason):
