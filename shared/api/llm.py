@@ -104,9 +104,7 @@ def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
     for prepared in all_prepared:  # each prompt of a list, each with its n choices
         completions = llm.complete_choices(prepared.ids, prepared.sampling, prepared.pruning, prepared.stop)
         outputs += [
-            Output(
-                prepared.echo + c.text, c.finish_reason, c.generation.logprobs[: c.num_read], len(prepared.echo)
-            )
+            Output(prepared.echo + c.text, c.finish_reason, c.generation.logprobs[: c.num_read], len(prepared.echo))
             for c in completions
         ]
         stats += [c.generation.stats for c in completions]

@@ -99,8 +99,10 @@ class Prepared:
 def prepare_all(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) -> list[Prepared]:
     """One Prepared per prompt: a completions request may carry a list of prompts (each gets
     its n choices, numbered in order); every prompt is checked before any runs."""
-    if isinstance(request, ChatCompletionRequest) or len(request.prompts) == 1:
+    if isinstance(request, ChatCompletionRequest):
         return [prepare(llm, request)]
+    if len(request.prompts) == 1:  # a single prompt, or a list of one
+        return [prepare(llm, request.model_copy(update={"prompt": request.prompts[0]}))]
     prepared = []
     for index, prompt in enumerate(request.prompts):
         try:
