@@ -30,10 +30,12 @@ from shared.engine import (
     EngineModel,
     Generation,
     PrefillRun,
+    Sampler,
     SamplingParams,
     decode_batch,
     fill_prefill_stats,
 )
+from shared.engine.grammar import Grammars
 from shared.net.rpc import ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -105,8 +107,9 @@ class Scheduler:
         max_batch_size: int = 32,
         max_batch_tokens: int = 2048,
         max_unsent: int = MAX_UNSENT_TOKENS,
+        grammars: Grammars | None = None,
     ):
-        self.model = model
+        self.model, self.grammars = model, grammars  # grammars: for structured output
         self.max_sequences, self.max_unsent = max_sequences, max_unsent
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self.revived_token_layers = 0  # over finished sequences
@@ -221,7 +224,8 @@ class Scheduler:
         caches = [run.cache] + [run.cache.fork() for _ in choices[1:]]
         for sibling, choice, cache in zip(siblings, choices, caches):
             fill_prefill_stats(sibling.generation.stats, cache, ttft_s)
-            sibling.decoding = Decoding(cache, run.config, choice, sibling.generation, prompt_ids=prompt_ids)
+            sampler = Sampler(choice, prompt_ids=prompt_ids, grammars=self.grammars)
+            sibling.decoding = Decoding(cache, run.config, choice, sibling.generation, sampler)
             sibling.width = len(choices)
         sequence.prefill = None
         with self._lock:

@@ -26,6 +26,7 @@ from services.decode.transfers import TransferTable
 from shared.contract import preset
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
 from shared.engine import Decoding, Generation, PrefillRun, PruneConfig, Sampled, Sampler, SamplingParams
+from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
 from shared.net.telemetry import extract_context, tracer
@@ -41,7 +42,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.loaded, self.model = loaded, loaded.engine
         self.transfers = TransferTable(settings.max_transfers, settings.transfer_timeout_s, settings.claim_timeout_s)
         self.scheduler = Scheduler(
-            self.model, settings.max_sequences, settings.max_batch_size, settings.max_batch_tokens
+            self.model,
+            settings.max_sequences,
+            settings.max_batch_size,
+            settings.max_batch_tokens,
+            grammars=loaded.grammars,
         )
         # For a prompt that names no pruning (the router always names one).
         self.default_pruning = preset(settings.engine.pruning_preset, loaded.engine.spec.num_layers)
@@ -164,11 +169,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             decodings = []
             for choice, cache, state in zip(choices, caches, assembled.sampler_states):
                 generation = Generation(stats=dataclasses.replace(assembled.prefill_stats, completion_tokens=0))
-                sampler = Sampler(choice, state, assembled.prompt_ids)
+                sampler = _sampler(choice, state, assembled.prompt_ids, self.loaded.grammars)
                 decodings.append(Decoding(cache, assembled.config, choice, generation, sampler))
             return Sequence.resumed(request_id, decodings, assembled.first_tokens)
         if source == "prompt":
             ids, config, params = self._local_request(request.prompt)
+            if params.grammar is not None:  # checked here: on the engine thread a failure would hit the batch
+                _sampler(params, grammars=self.loaded.grammars)
             # Prefilled here, a layer at a time between decode steps, on the engine thread.
             run = PrefillRun(self.model, ids, config, reserve=params.max_new_tokens)
             return [Sequence.local(request_id, run, params)]
@@ -198,6 +205,14 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def close(self) -> None:
         self.scheduler.close()
         self.transfers.close()
+
+
+def _sampler(*args, **kwargs) -> Sampler:
+    """A Sampler, with a grammar that does not compile for this model as INVALID_ARGUMENT."""
+    try:
+        return Sampler(*args, **kwargs)
+    except GrammarError as error:
+        raise InvalidArgument(f"sampling.grammar: {error}") from None
 
 
 def _response(tokens: list[Sampled], index: int) -> pb.GenerateResponse:

@@ -23,6 +23,7 @@ from services.prefill.settings import PrefillSettings
 from shared.contract import preset
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
 from shared.engine import Sampler, Stats, fill_prefill_stats, prefill
+from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, start_serving
 from shared.net.telemetry import extract_context, tracer
@@ -102,13 +103,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.counters.layers_computed += 1
 
         try:
+            # Each choice's sampler first: a grammar that does not compile is refused before any work.
+            grammars = self.loaded.grammars
+            try:
+                samplers = [Sampler(c, prompt_ids=request.prompt_ids, grammars=grammars) for c in params.choices()]
+            except GrammarError as error:
+                raise InvalidArgument(f"sampling.grammar: {error}") from None
             start = time.perf_counter()
             cache, logits = prefill(self.model, ids, config, on_layer=on_layer)
             stats = Stats()
             fill_prefill_stats(stats, cache, time.perf_counter() - start)
             del cache  # the decode worker gets its own copy; this one is not needed past here
             # Each choice's first token from the one prefill, with its own generator.
-            samplers = [Sampler(choice, prompt_ids=request.prompt_ids) for choice in params.choices()]
             firsts = [sampler.choose(logits) for sampler in samplers]
             waited = time.perf_counter()
             reply = sender.finish(

@@ -15,7 +15,16 @@ import torch
 from shared.api.logprobs import LogprobFormatter
 from shared.api.schemas import ChatCompletion, TextCompletion
 from shared.api.serving import Output, RequestError, build_response, parse_request, prepare_all
-from shared.engine import Generation, PruneConfig, SamplingParams, decode_tokens, fill_prefill_stats, prefill, stream
+from shared.engine import (
+    Generation,
+    PruneConfig,
+    Sampler,
+    SamplingParams,
+    decode_tokens,
+    fill_prefill_stats,
+    prefill,
+    stream,
+)
 from shared.models.text import Detokenizer, TextModel
 from shared.models.weights import LoadedModel
 
@@ -71,7 +80,8 @@ class LLM(TextModel):
         for choice, own in zip(choices, caches):
             completion = Completion()
             fill_prefill_stats(completion.generation.stats, own, ttft_s)
-            tokens = decode_tokens(self.engine, own, logits, pruning, choice, completion.generation, prompt_ids=ids)
+            sampler = Sampler(choice, prompt_ids=ids, grammars=self.loaded.grammars)
+            tokens = decode_tokens(self.engine, own, logits, pruning, choice, completion.generation, sampler)
             for _ in _read(tokens, Detokenizer(self.tokenizer, stop), completion):
                 pass
             completions.append(completion)

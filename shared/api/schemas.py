@@ -47,9 +47,32 @@ NOT_SERVED: dict[str, tuple] = {
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
-    "response_format": ({"type": "text"},),
     "suffix": ("",),
 }
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Text = "response"
+    json_schema: dict[str, Any] = Field(alias="schema", description="the JSON Schema the output must match")
+    strict: StrictBool | None = None
+    description: Text | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's structured output: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
 
 
 class _Request(BaseModel):
@@ -77,6 +100,7 @@ class _Request(BaseModel):
     min_tokens: StrictInt = Field(0, ge=0, description="vLLM's: stop tokens are masked until this many are out")
     ignore_eos: StrictBool = Field(False, description="vLLM's: keep generating past the end-of-sequence token")
     stop_token_ids: list[StrictInt] | None = Field(None, description="vLLM's: more token ids that end the output")
+    response_format: ResponseFormat | None = None
     pruning: PruningField | None = Field(
         None, description="a preset name or a schedule; absent: the server's default preset (pruning_preset)"
     )
@@ -142,6 +166,13 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer"]
     content: Text | list[TextPart]
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tools(cls, role):
+        if role in ("tool", "function"):
+            raise ValueError(f"role {role!r} carries a tool result, and this server does not serve tools")
+        return role
 
     @field_validator("content")
     @classmethod

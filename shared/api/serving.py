@@ -6,6 +6,7 @@ says what to change; the edges (batch lines, FastAPI handlers, gRPC) translate i
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -19,6 +20,7 @@ from shared.api.schemas import (
     CompletionChoice,
     CompletionRequest,
     Metrics,
+    ResponseFormat,
     TextCompletion,
     Usage,
 )
@@ -166,11 +168,32 @@ def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) 
         min_tokens=_min_tokens(request, max_tokens),
         logprobs=request.logprobs_count,
         n=request.n,
+        grammar=grammar_of(request.response_format),
     )
     echo = ""
     if isinstance(request, CompletionRequest) and request.echo:
         echo = request.prompt if isinstance(request.prompt, str) else llm.tokenizer.decode(ids)
     return Prepared(ids, sampling, pruning, label, request.stop_strings, echo)
+
+
+def grammar_of(response_format: ResponseFormat | None) -> str | None:
+    """`response_format` as an llguidance grammar (shared.engine.grammar applies it), checked here
+    so that a schema it cannot compile is a 400, not a failure on a worker."""
+    if response_format is None or response_format.type == "text":
+        return None
+    from llguidance import LLMatcher  # torch-free: the gateway checks schemas too
+
+    schema = {"type": "object"} if response_format.type == "json_object" else response_format.json_schema.json_schema
+    try:
+        # Compact JSON unless the schema's own x-guidance says otherwise: a small model given free
+        # whitespace can loop on it until max_tokens.
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+        problem = LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError) as error:
+        problem = str(error)
+    if problem:
+        raise RequestError(400, f"response_format: the schema cannot be used: {problem}", "response_format")
+    return grammar
 
 
 def _in_vocabulary(llm: TextModel, ids, param: str) -> None:

@@ -37,6 +37,7 @@ class SamplingParams:
     min_tokens: int = 0  # stop tokens are masked until this many tokens are out
     logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the k likeliest
     n: int = 1  # choices sampled from one prefill
+    grammar: str | None = None  # structured output: an llguidance grammar (shared.engine.grammar)
 
     def __post_init__(self):
         # Explicit checks, not asserts: they hold under `python -O` too.
@@ -77,7 +78,8 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether anything but temperature and the top-k/p/min-p cuts changes the logits."""
         return bool(
-            self.logit_bias
+            self.grammar
+            or self.logit_bias
             or self.min_tokens
             or self.presence_penalty
             or self.frequency_penalty

@@ -82,6 +82,8 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         message.logprobs = params.logprobs
     if params.n != 1:
         message.n = params.n
+    if params.grammar is not None:
+        message.grammar = params.grammar
     if params.seed is not None:
         # uint64 on the wire; torch.Generator.manual_seed maps a negative seed the same way.
         message.seed = params.seed % 2**64
@@ -114,6 +116,7 @@ def sampling_from_pb(message: pb.SamplingParams, vocab_size: int) -> SamplingPar
             min_tokens=message.min_tokens,
             logprobs=message.logprobs if message.HasField("logprobs") else None,
             n=message.n or 1,
+            grammar=message.grammar if message.HasField("grammar") else None,
         )
     except ValueError as error:  # the contract's own range checks (NaN included)
         raise FrameError(f"sampling: {error}") from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from shared.contract import Sampled, SamplingParams
+from shared.engine.grammar import GrammarError, Grammars, allowed
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -53,8 +54,13 @@ class Sampler:
     prompt ids and the first token, which it `observe`s like every other.
     """
 
-    def __init__(self, params: SamplingParams, state: bytes = b"", prompt_ids=()):
+    def __init__(self, params: SamplingParams, state: bytes = b"", prompt_ids=(), grammars: Grammars | None = None):
         self.params = params
+        self.matcher = None
+        if params.grammar is not None:
+            if grammars is None:
+                raise GrammarError("structured output needs the model's tokenizer, which this process does not have")
+            self.matcher = grammars.matcher(params.grammar)
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -68,6 +74,8 @@ class Sampler:
         """Record a token as generated (the penalties and min_tokens count it)."""
         self.generated += 1
         self._output[token] = self._output.get(token, 0) + 1
+        if self.matcher is not None:
+            self.matcher.consume_token(token)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits after logit_bias, min_tokens and the penalties (a copy when any applies)."""
@@ -78,8 +86,13 @@ class Sampler:
         if params.logit_bias:
             ids, biases = zip(*params.logit_bias)
             logits[list(ids)] += torch.tensor(biases, dtype=logits.dtype)
+        if self.matcher is not None:
+            logits[~allowed(self.matcher, logits.shape[0])] = float("-inf")
         if self.generated < params.min_tokens and params.stop_token_ids:
-            logits[list(params.stop_token_ids)] = float("-inf")
+            held = logits.clone()
+            held[list(params.stop_token_ids)] = float("-inf")
+            if bool(torch.isfinite(held).any()):  # a finished grammar allows only a stop token: it wins
+                logits = held
         if params.repetition_penalty != 1.0:
             # transformers' RepetitionPenaltyLogitsProcessor over the prompt and the output, as vLLM.
             seen = torch.cat([self._prompt, torch.tensor(list(self._output), dtype=torch.long)]).unique()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shared.contract import ModelSpec
+from shared.engine.grammar import Grammars
 from shared.engine.model import EngineModel
 from shared.models.catalog import DEFAULT_MODEL, default_cache_dir, resolve, stop_ids_of, tiny_config
 from shared.models.text import load_tokenizer
@@ -26,6 +28,13 @@ class LoadedModel:
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         return stop_ids_of(self.engine.hf.generation_config.eos_token_id, self.tokenizer)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars | None:
+        """Structured output's matchers for this model's tokenizer (None without one)."""
+        if self.tokenizer is None:
+            return None
+        return Grammars(self.tokenizer, self.engine.spec.vocab_size, self.stop_token_ids)
 
 
 def build_tiny(kind: str, seed: int = 0) -> torch.nn.Module:

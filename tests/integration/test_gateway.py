@@ -319,7 +319,7 @@ def test_content_parts_are_joined_and_other_parts_refused(stack):
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"best_of": 2}, "best_of"),
     ],
 )
@@ -328,7 +328,7 @@ def test_parameters_not_served_are_refused_not_ignored(stack, extra, param):
     with pytest.raises(openai.BadRequestError) as error:
         running.openai().chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2, extra_body=extra)
     assert error.value.body["param"] == param and "not supported" in error.value.body["message"]
-    neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "best_of": 1}
+    neutral = {"tools": [], "tool_choice": "none", "functions": [], "best_of": 1}
     reply = running.openai().chat.completions.create(
         model="tiny-llama", messages=MESSAGES, max_tokens=2, extra_body={param: neutral[param]}
     )

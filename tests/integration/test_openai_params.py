@@ -7,6 +7,8 @@ the prefill worker, whose first token (and its log-probabilities) travels in the
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -180,7 +182,8 @@ def test_echo_puts_the_prompt_first(stack):
         ({"messages": MESSAGES, "ignore_eos": "yes"}, "ignore_eos"),
         ({"messages": MESSAGES, "logprobs": 1}, "logprobs"),
         ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages.0.role"),
+        ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )
 def test_bad_parameters_are_a_400_naming_them(stack, body, param):
@@ -295,3 +298,62 @@ def test_bad_prompt_lists_are_a_400(workers, tiny_text):
         reply = httpx.post(url, json={"prompt": prompt, "max_tokens": 2}, timeout=30)
         assert reply.status_code == 400, (prompt, reply.text)
         assert reply.json()["error"]["param"].startswith("prompt"), reply.json()
+
+
+COLOUR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["colour", "count"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("n", [40, LONG], ids=["local", "disaggregated"])
+def test_json_schema_output_matches_the_schema(workers, tiny_llama, n):
+    """Even a random-weight model writes valid JSON of the schema: the grammar leaves it no other
+    choice, from the prefill worker's first token to the decode worker's last, then only a stop."""
+    running, _, _ = workers
+    client = running.openai()
+    response_format = {"type": "json_schema", "json_schema": {"name": "colour", "schema": COLOUR_SCHEMA}}
+    reply = client.completions.create(
+        model="tiny-llama",
+        prompt=random_ids(tiny_llama, n, seed=n + 3),
+        max_tokens=40,
+        temperature=1.0,
+        seed=1,
+        n=3,
+        extra_body={"response_format": response_format},
+    )
+    for choice in reply.choices:
+        value = json.loads(choice.text)
+        assert set(value) == {"colour", "count"} and value["colour"] in {"red", "green", "blue"}, value
+        assert 0 <= value["count"] <= 9 and choice.finish_reason == "stop"
+    streamed = client.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=40, stream=True, response_format=response_format
+    )
+    value = json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices))
+    assert value["colour"] in {"red", "green", "blue"}
+
+
+def test_json_object_starts_an_object_and_bad_formats_are_a_400(workers):
+    running, _, _ = workers
+    client = running.openai()
+    reply = client.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=8, response_format={"type": "json_object"}
+    )
+    assert reply.choices[0].message.content.startswith("{")
+    for response_format in (
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        {"type": "json_schema"},
+        {"type": "xml"},
+        {"type": "json_object", "json_schema": {"name": "x", "schema": {}}},
+    ):
+        raw = httpx.post(
+            f"{running.url}/v1/chat/completions",
+            json={"messages": MESSAGES, "response_format": response_format},
+            timeout=30,
+        )
+        assert raw.status_code == 400 and raw.json()["error"]["param"].startswith("response_format"), raw.text

@@ -69,6 +69,18 @@ COMMON = {
         ),
     ),
     "best_of": SMALL_INT,
+    "response_format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])}),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("json_schema"),
+                "json_schema": st.fixed_dictionaries(
+                    {"name": texts, "schema": st.one_of(values, st.just({"type": "object"}), st.just({"enum": [1]}))}
+                ),
+            }
+        ),
+        values,
+    ),
     "unknown_field": values,
 }
 CHAT = COMMON | {
