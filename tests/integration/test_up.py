@@ -3,6 +3,7 @@ SIGKILLed its children stop themselves (the lifeline pipe), leaving no process b
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -39,6 +40,12 @@ def test_up_restarts_a_dead_worker_and_its_children_die_with_it():
         assert wait_for(lambda: any(line.startswith("READY gateway") for line in lines), timeout=240), lines
         sessions = _children(up.pid)
         assert len(sessions) == 4  # two decode workers, the prefill worker with its Ray, the gateway
+        # The example `up` prints works when pasted into a shell as it is.
+        assert wait_for(lambda: any(line.lstrip().startswith("-d ") for line in lines), timeout=10), lines
+        start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("curl "))
+        example = "".join(lines[start : start + 2])
+        pasted = subprocess.run(["bash", "-c", example], capture_output=True, text=True, timeout=120)
+        assert json.loads(pasted.stdout)["object"] == "chat.completion", (example, pasted.stdout, pasted.stderr)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
 
         def ask() -> int:
