@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import LogitsProcessor
 
 from shared.engine import PruneConfig, SamplingParams, Stats, prefill
 from shared.transfer import end_message, frame_messages, header_message
@@ -56,3 +57,18 @@ def assemble(loaded, messages):
         else:
             raise FrameError("empty message")
     return result
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens, as a transformers
+    logits processor (transformers has none of its own): a reference for the sampler's."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        generated = input_ids[0, self.prompt_len :]
+        if generated.numel():
+            ids, counts = generated.unique(return_counts=True)
+            scores[0, ids] -= counts.to(scores.dtype) * self.frequency + self.presence
+        return scores

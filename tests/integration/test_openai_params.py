@@ -12,8 +12,8 @@ import json
 import httpx
 import pytest
 import torch
-from helpers import random_ids
-from transformers import LogitsProcessor, LogitsProcessorList
+from helpers import OpenAIPenalties, random_ids
+from transformers import LogitsProcessorList
 
 from shared.api.llm import LLM, respond
 from shared.api.serving import CHAT_URL
@@ -30,21 +30,6 @@ def stack(tiny_llama, decode_worker, prefill_worker, gateway):
     return gateway(
         prefill_workers=[prefill.address], decode_workers=[decode.address], local_threshold=512, pruning_preset="off"
     )
-
-
-class _OpenAIPenalties(LogitsProcessor):
-    """OpenAI's presence and frequency penalties over the generated tokens, as a transformers
-    processor (transformers has none of its own)."""
-
-    def __init__(self, prompt_len: int, presence: float, frequency: float):
-        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
-
-    def __call__(self, input_ids, scores):
-        generated = input_ids[0, self.prompt_len :]
-        if generated.numel():
-            ids, counts = generated.unique(return_counts=True)
-            scores[0, ids] -= counts.to(scores.dtype) * self.frequency + self.presence
-        return scores
 
 
 def _hf_tokens(tiny_llama, ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
@@ -84,7 +69,7 @@ def test_parameters_equal_transformers_processors(stack, tiny_llama, tiny_text, 
     assert ours().text == theirs()
     assert ours(extra_body={"repetition_penalty": 1.5}).text == theirs(repetition_penalty=1.5)
     penalized = ours(max_tokens=16, presence_penalty=1.0, frequency_penalty=2.0).text
-    processors = LogitsProcessorList([_OpenAIPenalties(len(ids), 1.0, 2.0)])
+    processors = LogitsProcessorList([OpenAIPenalties(len(ids), 1.0, 2.0)])
     assert penalized == theirs(max_tokens=16, logits_processor=processors)
     bias = {str(plain[0]): -100, "1234": 5}
     assert ours(logit_bias=bias).text == theirs(sequence_bias={(int(k),): float(v) for k, v in bias.items()})

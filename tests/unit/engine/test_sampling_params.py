@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import OpenAIPenalties
 from transformers import (
-    LogitsProcessor,
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -73,20 +73,6 @@ def test_presence_and_frequency_follow_openai_definition():
     torch.testing.assert_close(sampler.process(logits), expected)
 
 
-class _OpenAIPenalties(LogitsProcessor):
-    """OpenAI's presence/frequency penalty over the generated tokens, as a transformers processor."""
-
-    def __init__(self, prompt_len: int, presence: float, frequency: float):
-        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
-
-    def __call__(self, input_ids, scores):
-        generated = input_ids[0, self.prompt_len :]
-        if generated.numel():
-            ids, counts = generated.unique(return_counts=True)
-            scores[0, ids] -= counts.to(scores.dtype) * self.frequency + self.presence
-        return scores
-
-
 def _hf_greedy(loaded, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> list[int]:
     with torch.inference_mode():
         out = loaded.engine.hf.generate(
@@ -123,7 +109,7 @@ def test_greedy_generation_with_processors_equals_transformers_generate(tiny_lla
     assert len(ours.tokens) == 5 and ours.finish_reason == "stop" and ours.tokens == reference
     # Presence and frequency penalties through transformers' generate loop.
     params = SamplingParams(max_new_tokens=24, presence_penalty=1.0, frequency_penalty=2.0, stop_token_ids=eos)
-    processors = LogitsProcessorList([_OpenAIPenalties(len(ids), 1.0, 2.0)])
+    processors = LogitsProcessorList([OpenAIPenalties(len(ids), 1.0, 2.0)])
     assert generate(model, ids, config, params).tokens == _hf_greedy(tiny_llama, ids, 24, logits_processor=processors)
 
 
