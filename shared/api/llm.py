@@ -59,7 +59,8 @@ class LLM(TextModel):
     ) -> Iterator[str]:
         """Yield text deltas as tokens come (one choice); `completion` holds the final text and stats."""
         completion = completion if completion is not None else Completion()
-        tokens = stream(self.engine, ids, pruning, sampling, completion.generation)
+        sampler = Sampler(sampling, prompt_ids=ids, grammars=self.loaded.grammars)
+        tokens = stream(self.engine, ids, pruning, sampling, completion.generation, sampler)
         yield from _read(tokens, Detokenizer(self.tokenizer, stop), completion)
 
     def complete(self, ids, sampling, pruning, stop=None) -> Completion:

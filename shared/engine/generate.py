@@ -141,14 +141,16 @@ def stream(
     config: PruneConfig,
     params: SamplingParams,
     generation: Generation,
+    sampler: Sampler | None = None,
 ) -> Iterator[int]:
-    """Prefill `ids` and yield generated tokens; `generation` is filled in as it goes."""
+    """Prefill `ids` and yield generated tokens; `generation` is filled in as it goes.
+    sampler: one built with the model's grammars, for structured output."""
     ids = torch.as_tensor(ids, dtype=torch.long)
     config.check_for(model.spec.num_layers)
     start = time.perf_counter()
     cache, logits = prefill(model, ids, config, reserve=params.max_new_tokens)
     fill_prefill_stats(generation.stats, cache, time.perf_counter() - start)
-    yield from decode_tokens(model, cache, logits, config, params, generation, prompt_ids=ids)
+    yield from decode_tokens(model, cache, logits, config, params, generation, sampler, prompt_ids=ids)
 
 
 def generate(
