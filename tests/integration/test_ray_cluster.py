@@ -52,6 +52,7 @@ def _connect_driver(address: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # a two-node Ray cluster: about a minute; `make test-slow` and CI run it
 def test_a_driver_without_the_clusters_token_is_refused(ray_cluster):
     address, ray_env, _ = ray_cluster
     # A refused driver retries its connection about once a second, 20 times by default: 3 is enough.
@@ -64,6 +65,7 @@ def test_a_driver_without_the_clusters_token_is_refused(ray_cluster):
     assert right.returncode == 0 and "connected 2" in right.stdout, right.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_chat_completion_through_a_two_node_ray_cluster(ray_cluster, redis_url, flush_redis):
     address, ray_env, sessions = ray_cluster
     redis_env = {"LAZYSERVE_REDIS_URL": redis_url}

@@ -31,19 +31,21 @@ def test_up_restarts_a_dead_worker_and_its_children_die_with_it():
     args = ["up", "--model", "tiny-llama", "--threads", "1", "--port", str(port), "--decode-workers", "2"]
     args += ["--decode-port", str(decode_port), "--prefill-port", str(prefill_port), "--local-threshold", "100"]
     up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        [sys.executable, "-m", "services.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    lines: list[str] = []
+    lines: list[str] = []  # stdout: READY / RESTARTED lines
+    console: list[str] = []  # stderr: what a person sees, the example to paste among it
     threading.Thread(target=lambda: [lines.append(line) for line in up.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [console.append(line) for line in up.stderr], daemon=True).start()
     sessions: set[int] = set()
     try:
         assert wait_for(lambda: any(line.startswith("READY gateway") for line in lines), timeout=240), lines
         sessions = _children(up.pid)
         assert len(sessions) == 4  # two decode workers, the prefill worker with its Ray, the gateway
         # The example `up` prints works when pasted into a shell as it is.
-        assert wait_for(lambda: any(line.lstrip().startswith("-d ") for line in lines), timeout=10), lines
-        start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("curl "))
-        example = "".join(lines[start : start + 2])
+        assert wait_for(lambda: any(line.lstrip().startswith("-d ") for line in console), timeout=10), console
+        start = next(i for i, line in enumerate(console) if line.lstrip().startswith("curl "))
+        example = "".join(console[start : start + 2])
         pasted = subprocess.run(["bash", "-c", example], capture_output=True, text=True, timeout=120)
         assert json.loads(pasted.stdout)["object"] == "chat.completion", (example, pasted.stdout, pasted.stderr)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
