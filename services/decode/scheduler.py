@@ -30,8 +30,9 @@ from shared.engine import (
     EngineModel,
     Generation,
     PrefillRun,
-    Sampler,
     SamplingParams,
+    Stats,
+    choice_decodings,
     decode_batch,
     fill_prefill_stats,
 )
@@ -205,28 +206,18 @@ class Scheduler:
             return
         if not run.done:
             return
-        ttft_s, prompt_ids = time.perf_counter() - sequence.prefill_started, run.ids.tolist()
-        choices = sequence.params.choices()
-        # Every choice decodes from the one prefill: each gets its own copy of the cache (the
-        # first keeps the original), its own generator, and joins the batch from here.
+        stats = Stats()
+        fill_prefill_stats(stats, run.cache, time.perf_counter() - sequence.prefill_started)
+        # Every choice decodes from the one prefill and joins the batch from here.
+        decodings = choice_decodings(run.cache, run.config, sequence.params, run.ids.tolist(), self.grammars, stats)
         siblings = [sequence] + [
-            Sequence(
-                sequence.request_id,
-                Generation(),
-                outbox=sequence.outbox,
-                cancelled=sequence.cancelled,
-                index=i,
-                family=sequence.family,
-            )
-            for i in range(1, len(choices))
+            Sequence(sequence.request_id, d.generation, outbox=sequence.outbox, cancelled=sequence.cancelled, index=i)
+            for i, d in enumerate(decodings[1:], start=1)
         ]
+        for sibling, decoding in zip(siblings, decodings):
+            sibling.decoding, sibling.generation = decoding, decoding.generation
+            sibling.width, sibling.family = len(decodings), sequence.family
         sequence.family.extend(siblings[1:])
-        caches = [run.cache] + [run.cache.fork() for _ in choices[1:]]
-        for sibling, choice, cache in zip(siblings, choices, caches):
-            fill_prefill_stats(sibling.generation.stats, cache, ttft_s)
-            sampler = Sampler(choice, prompt_ids=prompt_ids, grammars=self.grammars)
-            sibling.decoding = Decoding(cache, run.config, choice, sibling.generation, sampler)
-            sibling.width = len(choices)
         sequence.prefill = None
         with self._lock:
             self._active.extend(siblings[1:])

@@ -8,7 +8,6 @@ sequences are freed on completion, on cancellation, and when their lease expires
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import uuid
@@ -25,7 +24,7 @@ from services.decode.settings import DecodeSettings
 from services.decode.transfers import TransferTable
 from shared.contract import preset
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
-from shared.engine import Decoding, Generation, PrefillRun, PruneConfig, Sampled, Sampler, SamplingParams
+from shared.engine import PrefillRun, PruneConfig, Sampled, Sampler, SamplingParams, choice_decodings
 from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
@@ -163,19 +162,26 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         source = request.WhichOneof("source")
         if source == "transfer_id":
             assembled = self.transfers.claim(request.transfer_id)
-            choices = assembled.params.choices()
-            # Copies first, while the transferred cache is untouched; the first choice keeps it.
-            caches = [assembled.cache] + [assembled.cache.fork() for _ in choices[1:]]
-            decodings = []
-            for choice, cache, state in zip(choices, caches, assembled.sampler_states):
-                generation = Generation(stats=dataclasses.replace(assembled.prefill_stats, completion_tokens=0))
-                sampler = _sampler(choice, state, assembled.prompt_ids, self.loaded.grammars)
-                decodings.append(Decoding(cache, assembled.config, choice, generation, sampler))
+            try:
+                decodings = choice_decodings(
+                    assembled.cache,
+                    assembled.config,
+                    assembled.params,
+                    assembled.prompt_ids,
+                    self.loaded.grammars,
+                    assembled.prefill_stats,
+                    assembled.sampler_states,
+                )
+            except GrammarError as error:
+                raise InvalidArgument(f"sampling.grammar: {error}") from None
             return Sequence.resumed(request_id, decodings, assembled.first_tokens)
         if source == "prompt":
             ids, config, params = self._local_request(request.prompt)
             if params.grammar is not None:  # checked here: on the engine thread a failure would hit the batch
-                _sampler(params, grammars=self.loaded.grammars)
+                try:
+                    Sampler(params, grammars=self.loaded.grammars)
+                except GrammarError as error:
+                    raise InvalidArgument(f"sampling.grammar: {error}") from None
             # Prefilled here, a layer at a time between decode steps, on the engine thread.
             run = PrefillRun(self.model, ids, config, reserve=params.max_new_tokens)
             return [Sequence.local(request_id, run, params)]
@@ -205,14 +211,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def close(self) -> None:
         self.scheduler.close()
         self.transfers.close()
-
-
-def _sampler(*args, **kwargs) -> Sampler:
-    """A Sampler, with a grammar that does not compile for this model as INVALID_ARGUMENT."""
-    try:
-        return Sampler(*args, **kwargs)
-    except GrammarError as error:
-        raise InvalidArgument(f"sampling.grammar: {error}") from None
 
 
 def _response(tokens: list[Sampled], index: int) -> pb.GenerateResponse:

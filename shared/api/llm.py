@@ -20,11 +20,13 @@ from shared.engine import (
     PruneConfig,
     Sampler,
     SamplingParams,
-    decode_tokens,
+    Stats,
+    choice_decodings,
     fill_prefill_stats,
     prefill,
     stream,
 )
+from shared.engine.generate import run_decoding
 from shared.models.text import Detokenizer, TextModel
 from shared.models.weights import LoadedModel
 
@@ -74,15 +76,12 @@ class LLM(TextModel):
         start = time.perf_counter()
         ids_t = torch.as_tensor(ids, dtype=torch.long)
         cache, logits = prefill(self.engine, ids_t, pruning, reserve=sampling.max_new_tokens)
-        ttft_s = time.perf_counter() - start
-        choices = sampling.choices()
-        caches = [cache] + [cache.fork() for _ in choices[1:]]
+        stats = Stats()
+        fill_prefill_stats(stats, cache, time.perf_counter() - start)
         completions = []
-        for choice, own in zip(choices, caches):
-            completion = Completion()
-            fill_prefill_stats(completion.generation.stats, own, ttft_s)
-            sampler = Sampler(choice, prompt_ids=ids, grammars=self.loaded.grammars)
-            tokens = decode_tokens(self.engine, own, logits, pruning, choice, completion.generation, sampler)
+        for decoding in choice_decodings(cache, pruning, sampling, ids, self.loaded.grammars, stats):
+            completion = Completion(generation=decoding.generation)
+            tokens = run_decoding(self.engine, decoding, logits)
             for _ in _read(tokens, Detokenizer(self.tokenizer, stop), completion):
                 pass
             completions.append(completion)

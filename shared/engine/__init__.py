@@ -9,6 +9,7 @@ from shared.engine.decode import decode_batch, decode_step
 from shared.engine.generate import (
     Decoding,
     Generation,
+    choice_decodings,
     decode_tokens,
     fill_prefill_stats,
     generate,
@@ -37,6 +38,7 @@ __all__ = [
     "UnsupportedModelError",
     "decode_batch",
     "decode_step",
+    "choice_decodings",
     "decode_tokens",
     "fill_prefill_stats",
     "generate",

@@ -5,6 +5,7 @@ Token ids in, token ids out: this module knows nothing about tokenization or cha
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -106,7 +107,16 @@ def decode_tokens(
     """
     if (first_logits is None) == (first_token is None):
         raise ValueError("give first_logits or first_token")
-    decoding = Decoding(cache, config, params, generation, sampler, prompt_ids)
+    yield from run_decoding(
+        model, Decoding(cache, config, params, generation, sampler, prompt_ids), first_logits, first_token
+    )
+
+
+def run_decoding(
+    model: EngineModel, decoding: Decoding, first_logits: torch.Tensor | None = None, first_token: int | None = None
+) -> Iterator[int]:
+    """`decode_tokens`' loop over a Decoding already made (one of `choice_decodings`)."""
+    cache, config = decoding.cache, decoding.config
     try:
         if first_token is None:
             sampled = decoding.advance(first_logits)
@@ -122,6 +132,28 @@ def decode_tokens(
             yield sampled.token
     finally:
         decoding.close(model.spec.num_layers)
+
+
+def choice_decodings(
+    cache: LazyCache,
+    config: PruneConfig,
+    params: SamplingParams,
+    prompt_ids,
+    grammars=None,
+    prefill_stats: Stats | None = None,
+    states: list[bytes] | None = None,
+) -> list[Decoding]:
+    """One Decoding per choice (params.n) from one prefilled cache: the first keeps `cache`, the
+    others get copies taken before any decodes; each has its own sampler (seeded seed + i; with
+    `states`, a transfer's generator states) and a Generation starting from the prefill's figures."""
+    choices = params.choices()
+    caches = [cache] + [cache.fork() for _ in choices[1:]]
+    decodings = []
+    for choice, own, state in zip(choices, caches, states or [b""] * len(choices)):
+        stats = dataclasses.replace(prefill_stats, completion_tokens=0) if prefill_stats else Stats()
+        sampler = Sampler(choice, state, prompt_ids, grammars)
+        decodings.append(Decoding(own, config, choice, Generation(stats=stats), sampler))
+    return decodings
 
 
 def fill_prefill_stats(stats: Stats, cache: LazyCache, ttft_s: float) -> None:
