@@ -164,6 +164,30 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
+def task_rows(records: list[dict]) -> list[dict]:
+    """Per (length, config, task): what the headline row pools. Answer tasks: the cases the
+    unpruned model solves and how many of those this configuration still solves; every task: the
+    paired score difference and first-token agreement."""
+    rows = []
+    for length, config, task in sorted({(r["target_tokens"], r["config"], r["task"]) for r in records}):
+        mine = [r for r in records if (r["target_tokens"], r["config"], r["task"]) == (length, config, task)]
+        solved = [r for r in mine if r["ref_score"] == 1.0] if task in ANSWER_TASKS else []
+        rows.append(
+            {
+                "length": length,
+                "config": config,
+                "task": task,
+                "cases": len(mine),
+                "solved_by_off": len(solved),
+                "still_solved": sum(r["score"] == 1.0 for r in solved),
+                "score_delta": paired_difference_ci([r["score"] for r in mine], [r["ref_score"] for r in mine]),
+                "first_top1": mean_ci(r["first_top1"] for r in mine),
+                "teacher_top1": mean_ci(r["teacher_top1"] for r in mine),
+            }
+        )
+    return rows
+
+
 def _pct(triple) -> str:
     mean, low, high = triple
     return "n/a" if mean != mean else f"{100 * mean:.1f} [{100 * low:.1f}, {100 * high:.1f}]"
@@ -213,6 +237,55 @@ def table(rows: list[dict]) -> str:
         for row in rows
     ]
     return markdown_table(header, body)
+
+
+def task_table(rows: list[dict]) -> str:
+    header = [
+        "tokens",
+        "config",
+        "task",
+        "cases",
+        "solved unpruned",
+        "still solved",
+        "score vs off (pp)",
+        "first-token top-1 %",
+        "teacher-forced top-1 %",
+    ]
+    body = [
+        [
+            row["length"],
+            row["config"],
+            row["task"],
+            row["cases"],
+            row["solved_by_off"] if row["task"] in ANSWER_TASKS else "n/a",
+            row["still_solved"] if row["task"] in ANSWER_TASKS else "n/a",
+            _pp(row["score_delta"]),
+            _pct(row["first_top1"]),
+            _pct(row["teacher_top1"]),
+        ]
+        for row in rows
+    ]
+    return markdown_table(header, body)
+
+
+def load_runs(directories: list[str]) -> tuple[list[dict], dict]:
+    """The records of earlier runs (each DIR/results.json), pooled for one report, and the
+    configuration each name stood for. Runs split by task or length pool into the table one run
+    of them all would give, since every record is a case paired with its own unpruned reference.
+    A (case, config) in two runs, or a name that stood for two configurations, is refused."""
+    records, resolved, seen = [], {}, set()
+    for directory in directories:
+        data = json.loads((Path(directory) / "results.json").read_text())
+        for name, config in data["settings"]["resolved"].items():
+            if resolved.setdefault(name, config) != config:
+                raise ValueError(f"{directory}: configuration {name!r} differs from an earlier run's")
+        for record in data["records"]:
+            key = (record["case"], record["config"])
+            if key in seen:
+                raise ValueError(f"{directory}: case {key[0]} under {key[1]!r} is also in an earlier run")
+            seen.add(key)
+            records.append(record)
+    return records, resolved
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -282,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="1.5k tokens, 2 tasks, 3 cases each: under 5 minutes")
     parser.add_argument("--out", default="out/eval")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="DIR",
+        help="run nothing: pool the records of earlier runs (DIR/results.json) into one report",
+    )
     args = parser.parse_args(argv)
     args.configs, args.tasks = _names(args.configs), _names(args.tasks)
     if unknown := set(args.tasks) - set(TASKS):
@@ -293,6 +372,14 @@ def main(argv: list[str] | None = None) -> int:
             ["off", *QUICK_CONFIGS],
             3,
         )
+
+    if args.merge:
+        try:
+            records, resolved = load_runs(args.merge)
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--merge: {error}")
+        write_report(Path(args.out), records, vars(args) | {"resolved": resolved, "seconds": 0.0}, host=None)
+        return 0
 
     import torch
 
@@ -309,22 +396,36 @@ def main(argv: list[str] | None = None) -> int:
     records, start = [], time.time()
     for case in tqdm(cases, desc="eval", unit="case"):
         records.extend(run_case(llm, case, configs))
-    rows = summarize(records)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     settings = vars(args) | {
         "resolved": {name: config.model_dump() for name, config in configs.items()},
         "seconds": time.time() - start,
     }
+    write_report(Path(args.out), records, settings, host=machine())
+    print(f"in {time.time() - start:.0f} s")
+    return 0
+
+
+def write_report(out: Path, records: list[dict], settings: dict, host: dict | None) -> None:
+    """results.json (every record), table.md (the headline table, then per task) and the plot."""
+    rows = summarize(records)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(
-        json.dumps({"settings": settings, "machine": machine(), "summary": rows, "records": records}, indent=2)
+        json.dumps(
+            {
+                "settings": settings,
+                "machine": host,  # None for a merge: each run's own is in its results.json
+                "summary": rows,
+                "per_task": task_rows(records),
+                "records": records,
+            },
+            indent=2,
+        )
     )
-    markdown = table(rows)
+    markdown = table(rows) + "\n\nPer task:\n\n" + task_table(task_rows(records))
     (out / "table.md").write_text(markdown + "\n")
     plot(rows, out / "speed_fidelity.png")
     print(markdown)
-    print(f"\nwrote {out}/results.json, table.md, speed_fidelity.png in {time.time() - start:.0f} s")
-    return 0
+    print(f"\nwrote {out}/results.json, table.md, speed_fidelity.png")
 
 
 if __name__ == "__main__":

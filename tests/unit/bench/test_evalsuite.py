@@ -109,3 +109,60 @@ def test_summary_pairs_cases_and_counts_only_solved_ones_as_retained():
     assert rows["lazy"]["ttft_speedup"] == pytest.approx(2.0)  # median of 4x, 2x, 2x
     assert rows["lazy"]["answer_cases"] == 2 and rows["lazy"]["cases"] == 3
     assert "| 1024 | lazy | 3 | 2.00x |" in table(list(rows.values()))
+
+
+def _run_dir(tmp_path, name, records, resolved):
+    import json
+
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "results.json").write_text(json.dumps({"settings": {"resolved": resolved}, "records": records}))
+    return str(directory)
+
+
+def _record(case, task, config, score, ref_score):
+    return {
+        "case": case,
+        "target_tokens": 4096,
+        "task": task,
+        "config": config,
+        "score": score,
+        "ref_score": ref_score,
+        "first_top1": 1.0,
+        "teacher_top1": 1.0,
+    }
+
+
+def test_runs_split_by_task_pool_into_one_report_and_clashes_are_refused(tmp_path):
+    from bench.evalsuite.harness import load_runs, task_rows
+
+    lazy = {"mode": "lazy", "stages": [[18, 0.2]]}
+    passkey = _run_dir(
+        tmp_path,
+        "passkey",
+        [_record("p1", "passkey", "off", 1.0, 1.0), _record("p1", "passkey", "lazy", 1.0, 1.0)],
+        {"off": {"mode": "off"}, "lazy": lazy},
+    )
+    fewshot = _run_dir(
+        tmp_path,
+        "fewshot",
+        [
+            _record("f1", "fewshot", "lazy", 0.0, 1.0),  # a solved case lost
+            _record("f2", "fewshot", "lazy", 1.0, 0.0),  # an unsolved one gained
+            _record("f3", "fewshot", "lazy", 1.0, 1.0),
+        ],
+        {"lazy": lazy},
+    )
+    records, resolved = load_runs([passkey, fewshot])
+    assert len(records) == 5 and resolved == {"off": {"mode": "off"}, "lazy": lazy}
+    rows = {(row["config"], row["task"]): row for row in task_rows(records)}
+    few = rows[("lazy", "fewshot")]
+    assert (few["cases"], few["solved_by_off"], few["still_solved"]) == (3, 2, 1)
+    assert few["score_delta"][0] == pytest.approx(0.0)  # -1 and +1 over three cases, paired
+    assert (rows[("lazy", "passkey")]["solved_by_off"], rows[("lazy", "passkey")]["still_solved"]) == (1, 1)
+
+    with pytest.raises(ValueError, match="also in an earlier run"):
+        load_runs([passkey, passkey])
+    other = _run_dir(tmp_path, "other", [], {"lazy": {"mode": "lazy", "stages": [[12, 0.2]]}})
+    with pytest.raises(ValueError, match="differs"):
+        load_runs([passkey, other])
