@@ -144,6 +144,7 @@ def summarize(records: list[dict]) -> list[dict]:
                 "teacher_kl": statistics.mean(r["teacher_kl"] for r in mine),
                 "prefix_match": statistics.mean(r["prefix_match"] for r in mine),
                 "accuracy": mean_ci(r["score"] for r in answers),
+                "same_answer": mean_ci(scorers.same_answer(r["output"], r["ref_output"]) for r in answers),
                 "accuracy_delta": paired_difference_ci(
                     [r["score"] for r in answers], [r["ref_score"] for r in answers]
                 ),
@@ -181,6 +182,9 @@ def task_rows(records: list[dict]) -> list[dict]:
                 "solved_by_off": len(solved),
                 "still_solved": sum(r["score"] == 1.0 for r in solved),
                 "score_delta": paired_difference_ci([r["score"] for r in mine], [r["ref_score"] for r in mine]),
+                "same_answer": mean_ci(
+                    scorers.same_answer(r["output"], r["ref_output"]) for r in (mine if task in ANSWER_TASKS else ())
+                ),
                 "first_top1": mean_ci(r["first_top1"] for r in mine),
                 "teacher_top1": mean_ci(r["teacher_top1"] for r in mine),
             }
@@ -210,6 +214,7 @@ def table(rows: list[dict]) -> str:
         "teacher-forced top-1 %",
         "teacher KL",
         "prefix match %",
+        "same answer %",
         "accuracy vs off (pp)",
         "retained % (solved)",
         "code vs off (pp)",
@@ -228,6 +233,7 @@ def table(rows: list[dict]) -> str:
             _pct(row["teacher_top1"]),
             f"{row['teacher_kl']:.3f}",
             f"{100 * row['prefix_match']:.0f}",
+            _pct(row["same_answer"]),
             _pp(row["accuracy_delta"]),
             f"{_pct(row['retained'])} of {row['solved_cases']}",
             _pp(row["code_delta"]),
@@ -247,6 +253,7 @@ def task_table(rows: list[dict]) -> str:
         "cases",
         "solved unpruned",
         "still solved",
+        "same answer %",
         "score vs off (pp)",
         "first-token top-1 %",
         "teacher-forced top-1 %",
@@ -259,6 +266,7 @@ def task_table(rows: list[dict]) -> str:
             row["cases"],
             row["solved_by_off"] if row["task"] in ANSWER_TASKS else "n/a",
             row["still_solved"] if row["task"] in ANSWER_TASKS else "n/a",
+            _pct(row["same_answer"]),
             _pp(row["score_delta"]),
             _pct(row["first_top1"]),
             _pct(row["teacher_top1"]),

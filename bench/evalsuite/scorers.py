@@ -16,6 +16,18 @@ def label(output: str, answer: str, labels: tuple[str, ...]) -> float:
     return float(bool(found) and min(found)[1] == answer)
 
 
+def same_answer(output: str, reference: str) -> float:
+    """1 when two outputs give the same answer: their first words, case and surrounding
+    punctuation aside. First-token agreement counts `" negative"` against `"negative"` (a leading
+    space) as a disagreement; this does not."""
+
+    def first_word(text: str) -> str:
+        words = text.split()
+        return words[0].strip(".,;:!?\"'()").lower() if words else ""
+
+    return float(first_word(output) == first_word(reference))
+
+
 def edit_similarity(output: str, answer: str) -> float:
     """Similarity of the first non-empty generated line to the true next line (difflib's ratio)."""
     first = next((line.strip() for line in output.splitlines() if line.strip()), "")

@@ -68,13 +68,19 @@ def test_scorers_on_known_inputs():
     assert scorers.rouge_l("x y", "a b") == 0.0
     assert scorers.prefix_agreement([1, 2, 3, 9], [1, 2, 3, 4]) == 0.75
     assert scorers.prefix_agreement([5], [1, 2]) == 0.0
+    assert scorers.same_answer(" negative\nReview", "negative\n") == 1.0  # a leading space is no new answer
+    assert scorers.same_answer(" Positive.", "positive") == 1.0
+    assert scorers.same_answer(" positive", " negative") == 0.0
+    assert scorers.same_answer("", " 1234") == 0.0
 
 
 def test_summary_pairs_cases_and_counts_only_solved_ones_as_retained():
     from bench.evalsuite.harness import summarize, table
 
-    def record(task, config, score, ref_score, ttft, full=4.0, top1=1.0):
+    def record(task, config, score, ref_score, ttft, full=4.0, top1=1.0, output=" 1234.", ref_output="1234\n"):
         return {
+            "output": output,
+            "ref_output": ref_output,
             "target_tokens": 1024,
             "task": task,
             "config": config,
@@ -96,7 +102,7 @@ def test_summary_pairs_cases_and_counts_only_solved_ones_as_retained():
         record("passkey", "off", 1.0, 1.0, 4.0),
         record("passkey", "off", 0.0, 0.0, 4.0),
         record("code", "off", 0.5, 0.5, 4.0),
-        record("passkey", "lazy", 0.0, 1.0, 1.0, top1=0.0),
+        record("passkey", "lazy", 0.0, 1.0, 1.0, top1=0.0, output=" 1000."),
         record("passkey", "lazy", 1.0, 0.0, 2.0),
         record("code", "lazy", 0.25, 0.5, 2.0),
     ]
@@ -108,6 +114,8 @@ def test_summary_pairs_cases_and_counts_only_solved_ones_as_retained():
     assert rows["lazy"]["first_top1"][0] == pytest.approx(2 / 3)
     assert rows["lazy"]["ttft_speedup"] == pytest.approx(2.0)  # median of 4x, 2x, 2x
     assert rows["lazy"]["answer_cases"] == 2 and rows["lazy"]["cases"] == 3
+    assert rows["lazy"]["same_answer"][0] == pytest.approx(0.5)  # " 1000." differs; " 1234." is "1234\n"
+    assert rows["off"]["same_answer"][0] == 1.0
     assert "| 1024 | lazy | 3 | 2.00x |" in table(list(rows.values()))
 
 
@@ -122,6 +130,8 @@ def _run_dir(tmp_path, name, records, resolved):
 
 def _record(case, task, config, score, ref_score):
     return {
+        "output": " positive" if score else " negative",
+        "ref_output": " positive" if ref_score else " negative",
         "case": case,
         "target_tokens": 4096,
         "task": task,
@@ -159,6 +169,7 @@ def test_runs_split_by_task_pool_into_one_report_and_clashes_are_refused(tmp_pat
     few = rows[("lazy", "fewshot")]
     assert (few["cases"], few["solved_by_off"], few["still_solved"]) == (3, 2, 1)
     assert few["score_delta"][0] == pytest.approx(0.0)  # -1 and +1 over three cases, paired
+    assert few["same_answer"][0] == pytest.approx(1 / 3)
     assert (rows[("lazy", "passkey")]["solved_by_off"], rows[("lazy", "passkey")]["still_solved"]) == (1, 1)
 
     with pytest.raises(ValueError, match="also in an earlier run"):
