@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_report(out: Path, records: list[dict], settings: dict, host: dict | None) -> None:
     """results.json (every record), table.md (the headline table, then per task) and the plot."""
-    rows = summarize(records)
+    rows, per_task = summarize(records), task_rows(records)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(
         json.dumps(
@@ -423,13 +423,13 @@ def write_report(out: Path, records: list[dict], settings: dict, host: dict | No
                 "settings": settings,
                 "machine": host,  # None for a merge: each run's own is in its results.json
                 "summary": rows,
-                "per_task": task_rows(records),
+                "per_task": per_task,
                 "records": records,
             },
             indent=2,
         )
     )
-    markdown = table(rows) + "\n\nPer task:\n\n" + task_table(task_rows(records))
+    markdown = table(rows) + "\n\nPer task:\n\n" + task_table(per_task)
     (out / "table.md").write_text(markdown + "\n")
     plot(rows, out / "speed_fidelity.png")
     print(markdown)
