@@ -24,9 +24,9 @@ from shared.engine import (
     choice_decodings,
     fill_prefill_stats,
     prefill,
+    run_decoding,
     stream,
 )
-from shared.engine.generate import run_decoding
 from shared.models.text import Detokenizer, TextModel
 from shared.models.weights import LoadedModel
 

@@ -13,6 +13,7 @@ from shared.engine.generate import (
     decode_tokens,
     fill_prefill_stats,
     generate,
+    run_decoding,
     stream,
 )
 from shared.engine.model import EngineModel
@@ -42,6 +43,7 @@ __all__ = [
     "decode_tokens",
     "fill_prefill_stats",
     "generate",
+    "run_decoding",
     "prefill",
     "sample",
     "select",
