@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from services.router.metrics import GatewayMetrics
 from services.router.workers import STREAMS, Workers
@@ -33,8 +33,9 @@ async def off_loop(fn: Callable, *args):
 _GIVE_BACKS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="give-back")
 
 
-def in_background(fn: Callable, *args) -> None:
-    """Run a blocking call in a thread without waiting for it. Failures are logged, never raised."""
+def in_background(fn: Callable, *args) -> Future:
+    """Run a blocking call in a thread without waiting for it. Failures are logged, never raised:
+    the returned future always ends with None."""
 
     def run():
         try:
@@ -42,18 +43,28 @@ def in_background(fn: Callable, *args) -> None:
         except Exception as error:
             log.warning("%s failed: %s", getattr(fn, "__name__", fn), error)
 
-    _GIVE_BACKS.submit(run)
+    return _GIVE_BACKS.submit(run)
 
 
 class Slot:
-    """One admitted request's share of both bounds."""
+    """One admitted request's share of both bounds. Only the first give-back counts."""
 
     def __init__(self, admission: Admission, caller: str):
         self._admission, self.caller = admission, caller
         self._held = True
 
+    async def give_back(self) -> None:
+        """Give the slot back and wait until every gateway sees it free. Awaited before a
+        response's last byte: a client that sends its next request once a response has ended
+        must never find its own finished request still counted against it."""
+        if self._held:
+            self._held = False
+            # Shielded: a cancelled request still gives its slot back, only without waiting.
+            await asyncio.shield(asyncio.wrap_future(self._admission._give_back(self.caller)))
+
     def release(self) -> None:
-        """Give the slot back; only the first call counts."""
+        """Give the slot back without waiting: for paths that cannot await (a cancelled task, a
+        finalizer)."""
         if self._held:
             self._held = False
             self._admission._give_back(self.caller)
@@ -84,11 +95,11 @@ class Admission:
             )
         return Slot(self, caller)
 
-    def _give_back(self, caller: str) -> None:
+    def _give_back(self, caller: str) -> Future:
         self._count(-1)
         # This replica's share (and the count in it) would expire with the replica only; a failed
         # release costs the caller one slot until then. Logged by in_background, never raised.
-        in_background(self.workers.release, STREAMS, caller)
+        return in_background(self.workers.release, STREAMS, caller)
 
     def _count(self, change: int) -> None:
         self.in_flight += change

@@ -33,7 +33,7 @@ from services.router.metrics import GatewayMetrics
 from services.router.openapi import build_openapi
 from services.router.policy import make_policy
 from services.router.records import RequestRecords
-from services.router.responses import JobGroup, TextJob, stream_events
+from services.router.responses import DONE, JobGroup, TextJob, stream_events
 from services.router.settings import GatewaySettings
 from services.router.tracing import (
     annotate_decision,
@@ -296,7 +296,13 @@ class Gateway:
             if parsed.stream:
                 body, streaming = self._stream(job, parsed, slot, span), True
                 return StreamingResponse(body, media_type="text/event-stream", headers=job.headers)
-            return await self._collect(job, parsed, span)
+            response = await self._collect(job, parsed, span)
+            await slot.give_back()
+            return response
+        except Exception:
+            if not streaming:
+                await slot.give_back()  # before the error response goes out
+            raise
         finally:
             if not streaming:
                 slot.release()
@@ -316,7 +322,10 @@ class Gateway:
             try:
                 model = parsed.model or self.text.name
                 async for event in stream_events(job, parsed, model, include_usage, on_error, self.formatter):
+                    if event == DONE:
+                        await slot.give_back()  # the client may send its next request on [DONE]
                     yield event
+                await slot.give_back()  # a stream that ended in an error event
                 outcome = "failed" if failures else "ok"
             finally:
                 slot.release()

@@ -260,6 +260,9 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+DONE = sse("[DONE]")  # a stream's last event
+
+
 async def stream_events(
     job: TextJob, request, model: str, include_usage: bool, on_error, formatter: LogprobFormatter
 ) -> AsyncIterator[str]:
@@ -308,7 +311,7 @@ async def stream_events(
     if include_usage:
         kind = ChatCompletionChunk if chat else CompletionChunk
         yield sse(kind(**base, choices=[], usage=usage_of(job.stats)).model_dump(exclude_none=True))
-    yield sse("[DONE]")
+    yield DONE
 
 
 def _chunk_dump(body: ChatCompletionChunk | CompletionChunk) -> dict:

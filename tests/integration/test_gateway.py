@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -13,6 +14,8 @@ from conftest import wait_for
 from helpers import random_ids
 
 from services.router.client import DecodeClient
+from services.router.workers import StaticWorkers
+from shared.net.registry import WorkerInfo
 from shared.api.llm import LLM, respond
 from shared.api.serving import CHAT_URL, COMPLETIONS_URL, choice_text
 
@@ -372,6 +375,29 @@ def test_tokenize_detokenize_and_version(stack, tiny_text):
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
     assert httpx.post(f"{url}/detokenize", json={"tokens": [10**9]}, timeout=10).json()["error"]["param"] == "tokens"
     assert httpx.get(f"{url}/version", timeout=10).json()["version"] == "0.1.0"
+
+
+class _SlowRelease(StaticWorkers):
+    """A store whose give-back takes a while, as a slow Redis's would (not causable for real here)."""
+
+    def release(self, kind: str, field: str) -> None:
+        time.sleep(0.2)
+        super().release(kind, field)
+
+
+def test_a_finished_request_never_counts_against_its_clients_next_one(tiny_llama, decode_worker, gateway):
+    # One request in progress per client, sent back to back: each starts after the previous
+    # response has ended, so none may be refused, streamed or not, however slow the give-back.
+    decode, _ = decode_worker(tiny_llama)
+    workers = _SlowRelease([WorkerInfo(worker_id="decode", role="decode", address=decode.address, model="tiny-llama")])
+    running = gateway(workers=workers, max_streams_per_key=1)
+    client = running.openai()
+    for index in range(6):
+        kwargs = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 2}
+        if index % 2:
+            assert [chunk for chunk in client.completions.create(stream=True, **kwargs)]
+        else:
+            assert client.completions.create(**kwargs).choices
 
 
 def test_every_429_says_when_to_retry(tiny_llama, decode_worker, gateway):
