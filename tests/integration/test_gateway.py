@@ -15,9 +15,9 @@ from helpers import random_ids
 
 from services.router.client import DecodeClient
 from services.router.workers import StaticWorkers
-from shared.net.registry import WorkerInfo
 from shared.api.llm import LLM, respond
 from shared.api.serving import CHAT_URL, COMPLETIONS_URL, choice_text
+from shared.net.registry import WorkerInfo
 
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 LONG_PROMPT_TOKENS = 700
