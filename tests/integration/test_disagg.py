@@ -49,7 +49,7 @@ def tiny_decode_process():
 
 
 def _prompt(loaded) -> list[int]:
-    return text_ids(loaded, 1500) if loaded.name.startswith("SmolLM2") else random_ids(loaded, 300)
+    return text_ids(loaded, 3000) if loaded.name.startswith("SmolLM2") else random_ids(loaded, 300)
 
 
 # The codec tests and the decode-worker tests prove token equality case by case; here, end to end
