@@ -13,8 +13,7 @@ from shared.net.lifecycle import watch_lifeline
 def _engine_settings(args):
     from shared.net.settings import EngineSettings
 
-    overrides = {k: v for k, v in (("model", args.model), ("threads", args.threads)) if v is not None}
-    settings = EngineSettings(**overrides)
+    settings = EngineSettings(**_engine_overrides(args))
     settings.apply_threads()
     return settings
 
@@ -42,9 +41,14 @@ def cmd_run_batch(args) -> int:
     return 0
 
 
+def _engine_overrides(args) -> dict:
+    names = ("model", "threads", "dtype", "device")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
 def _service_overrides(args, names: tuple[str, ...]) -> dict:
     overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    engine = {k: v for k, v in (("model", args.model), ("threads", args.threads)) if v is not None}
+    engine = _engine_overrides(args)
     if engine:
         from shared.net.settings import EngineSettings
 
@@ -88,6 +92,7 @@ def cmd_up(args) -> int:
             prefill_actors=args.prefill_actors,
             prefill_port=args.prefill_port,
             threads=args.threads,
+            dtype=args.dtype,
             local_threshold=args.local_threshold,
             pruning_preset=args.pruning,
             api_keys=args.api_key or [],
@@ -124,6 +129,18 @@ def cmd_bench(args, rest: list[str]) -> int:
     return module.main(rest)
 
 
+def add_dtype_flag(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    from shared.models.precision import DTYPE_CHOICES
+
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=default,
+        help="the model's dtype (LAZYSERVE_DTYPE; default auto: bfloat16 on CUDA and on CPUs with AMX or "
+        "AVX512-BF16, float32 elsewhere)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazyserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -139,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     batch.add_argument("--model", default=None, help="model name or local checkpoint folder")
     batch.add_argument("--threads", type=int, default=None)
+    add_dtype_flag(batch)
     batch.add_argument("--compare", action="store_true", help="also run unpruned and print both side by side")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -146,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     prefill = sub.add_parser("prefill-worker", help="start prefill actors on Ray (flags override LAZYSERVE_PREFILL_*)")
     for service in (decode, prefill):
         service.add_argument("--model", default=None, help="model name or local checkpoint folder")
-        service.add_argument("--threads", type=int, default=None)
+        service.add_argument("--threads", type=int, default=None, help="torch threads (default: every core here)")
+        add_dtype_flag(service)
         service.add_argument("--host", default=None)
         service.add_argument("--port", type=int, default=None, help="0 picks a free port")
     prefill.add_argument("--num-actors", type=int, default=None)
@@ -161,7 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
         "up", help="the whole system on this host: decode workers, prefill actors on a local Ray, the gateway"
     )
     stack.add_argument("--model", default=None, help="SmolLM2-135M-Instruct (default), a tiny-* model or a folder")
-    stack.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    stack.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of each worker (default: every core of this host, shared by prefill and decode)",
+    )
+    add_dtype_flag(stack)
     stack.add_argument("--host", default="127.0.0.1", help="the gateway's address (0.0.0.0: every interface)")
     stack.add_argument("--port", type=int, default=8000, help="the gateway's port")
     stack.add_argument("--api-key", action="append", default=None, help="an API key the gateway accepts (repeatable)")

@@ -176,7 +176,8 @@ class UpOptions:
     decode_port: int = 50061
     prefill_actors: int = 1
     prefill_port: int = 50071
-    threads: int | None = None
+    threads: int | None = None  # None: each worker sizes itself to the host's cores
+    dtype: str | None = None  # None: LAZYSERVE_DTYPE, else auto
     local_threshold: int | None = None
     pruning_preset: str | None = None
     api_keys: list[str] = field(default_factory=list)
@@ -191,14 +192,15 @@ def up(options: UpOptions) -> int:
         signal.signal(sig, lambda *_: stop.set())
     o = options
     common = (["--model", o.model] if o.model else []) + (["--threads", str(o.threads)] if o.threads else [])
+    engine = common + (["--dtype", o.dtype] if o.dtype else [])  # the gateway loads no weights
     try:
         with console.status("starting decode workers and prefill actors (the first start converts the model, ~30 s)"):
             decoders = [
-                stack.start(f"decode-{i}", ["decode-worker", "--port", str(o.decode_port + i), *common])
+                stack.start(f"decode-{i}", ["decode-worker", "--port", str(o.decode_port + i), *engine])
                 for i in range(o.decode_workers)
             ]
             prefill_args = ["prefill-worker", "--port", str(o.prefill_port), "--num-actors", str(o.prefill_actors)]
-            prefill = stack.start("prefill", [*prefill_args, *common])
+            prefill = stack.start("prefill", [*prefill_args, *engine])
             decode_addresses = [stack.wait_ready(child, "decode", 1, o.timeout)[0] for child in decoders]
             console.print(f"decode workers ready: {', '.join(decode_addresses)}")
             prefill_addresses = stack.wait_ready(prefill, "prefill", o.prefill_actors, o.timeout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,10 @@ from shared.contract import ModelSpec
 from shared.engine.grammar import Grammars
 from shared.engine.model import EngineModel
 from shared.models.catalog import DEFAULT_MODEL, default_cache_dir, resolve, stop_ids_of, tiny_config
+from shared.models.precision import DtypeChoice, resolve_dtype
 from shared.models.text import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -20,6 +24,7 @@ class LoadedModel:
     name: str
     engine: EngineModel
     tokenizer: object | None  # a transformers tokenizer; tiny random models borrow SmolLM2's if present
+    dtype_choice: DtypeChoice | None = None  # which dtype it runs in and why (--dtype auto)
 
     @property
     def max_positions(self) -> int:
@@ -53,17 +58,23 @@ def load_model(
     dtype: str = "float32",
     cache_dir: Path | None = None,
 ) -> LoadedModel:
-    """Load `name`: the default model, a tiny random config, or a local Hugging Face folder."""
+    """Load `name`: the default model, a tiny random config, or a local Hugging Face folder.
+
+    dtype: float32 (the default here, so tests never depend on the host), bfloat16, float16, or
+    auto (bfloat16 where the hardware computes it: shared.models.precision)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source = resolve(name, cache_dir or default_cache_dir())
-    torch_dtype = getattr(torch, dtype)
+    choice = resolve_dtype(dtype, device)
+    log.info("%s runs in %s on %s", source.label, choice, device)
+    torch_dtype = getattr(torch, choice.dtype)
     if source.tiny is not None:
+        # Built in float32 from one seed, then cast: a tiny model's weights are the same values in every dtype.
         hf = build_tiny(source.tiny).to(device=device, dtype=torch_dtype)
         tokenizer = load_tokenizer(source.folder) if source.folder is not None else None
-        return LoadedModel(source.label, EngineModel(hf), tokenizer)
+        return LoadedModel(source.label, EngineModel(hf), tokenizer, choice)
     # Refuse an unsupported architecture before loading anything else.
     ModelSpec.from_config(AutoConfig.from_pretrained(source.folder))
     tokenizer = load_tokenizer(source.folder)
     hf = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch_dtype, attn_implementation="sdpa")
-    return LoadedModel(source.label, EngineModel(hf.to(device)), tokenizer)
+    return LoadedModel(source.label, EngineModel(hf.to(device)), tokenizer, choice)

@@ -5,6 +5,7 @@ Built once at an entry point and passed down; nothing reads the environment at i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -13,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.contract import PRESET_NAMES
 from shared.models.catalog import DEFAULT_MODEL, default_cache_dir
+from shared.models.precision import DtypeName
 from shared.net.transport import InternalAuth, TlsFiles
 
 
@@ -21,18 +23,30 @@ class EngineSettings(BaseSettings):
 
     model: str = DEFAULT_MODEL
     device: str = "cpu"
-    dtype: str = "float32"
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads; None keeps torch's default")
+    dtype: DtypeName = Field(
+        "auto",
+        description="the model's dtype (vLLM's --dtype): auto is bfloat16 on CUDA and on CPUs with AMX or "
+        "AVX512-BF16, float32 elsewhere",
+    )
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads; None: every core this process may use")
     cache_dir: Path = Field(default_factory=default_cache_dir)
     pruning_preset: Literal[PRESET_NAMES] = Field(
         "default", description="the pruning preset of every request that does not name its own"
     )
 
     def apply_threads(self) -> None:
-        if self.threads:
-            import torch
+        """torch's intra-op threads: the setting, else every core this process may run on."""
+        import torch
 
-            torch.set_num_threads(self.threads)
+        torch.set_num_threads(self.threads or available_cores())
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity: a container's cpuset, taskset), not the host's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return max(1, os.cpu_count() or 1)
 
 
 class InternalAuthSettings(BaseSettings):
