@@ -13,6 +13,17 @@ torch.set_num_threads(2)
 ALL_MODELS = (*TINY_MODELS, "SmolLM2-135M-Instruct")
 
 
+def pytest_addoption(parser):
+    # The exactness tests on another device: `pytest --device cuda tests/unit/engine/test_baseline.py`.
+    # Everything else runs on the CPU, which is all CI has.
+    parser.addoption("--device", default="cpu", help="device of the models the `load` fixture gives (default cpu)")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    return request.config.getoption("--device")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     return load_model("SmolLM2-135M-Instruct")
@@ -23,16 +34,18 @@ def tiny_llama():
     return load_model("tiny-llama")
 
 
-_cache: dict[str, object] = {}
+_cache: dict[tuple, object] = {}
 
 
 @pytest.fixture(scope="session")
-def load():
-    """Load a model by name once per session."""
+def load(device):
+    """Load a model by name (and dtype: float32 unless asked, never what `auto` picks on this host)
+    once per session, on the --device given."""
 
-    def get(name: str):
-        if name not in _cache:
-            _cache[name] = load_model(name)
-        return _cache[name]
+    def get(name: str, dtype: str = "float32"):
+        key = (name, dtype)
+        if key not in _cache:
+            _cache[key] = load_model(name, dtype=dtype, device=device)
+        return _cache[key]
 
     return get

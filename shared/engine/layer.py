@@ -46,13 +46,16 @@ def attend(
     """SDPA with grouped KV heads. mask: bool [m, n], True = attend. Returns [1, H, m, D]."""
     spec = model.spec
     groups = spec.num_heads // spec.num_kv_heads
-    if q.shape[2] == 1 and groups > 1:
+    if q.shape[2] == 1 and groups > 1 and q.dtype == torch.float32:
         # One query row: fold the query heads of a group into the row axis, so SDPA reads each
-        # KV head once instead of repeating it (transformers' pack_gqa does the same).
+        # KV head once instead of repeating it (transformers' pack_gqa does the same). Float32
+        # only: in bfloat16 the folded call rounds differently from transformers' (logits a step
+        # or two apart, enough to flip a near-tie in greedy decoding), the call below matches it
+        # bit for bit.
         qg = q.reshape(1, spec.num_kv_heads, groups, spec.head_dim)
         m = None if mask is None else mask.view(1, 1, 1, -1)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=model.scaling)
-        return out.view(1, spec.num_heads, 1, spec.head_dim)
+        return out.reshape(1, spec.num_heads, 1, spec.head_dim)  # CUDA's SDPA may return it strided
     if mask is not None:
         mask = mask[None, None]
     return F.scaled_dot_product_attention(
@@ -85,18 +88,20 @@ def window_scores(
     """
     spec = model.spec
     groups, w = spec.num_heads // spec.num_kv_heads, q.shape[2]
-    qg = q.reshape(spec.num_kv_heads, groups * w, spec.head_dim)
-    logits = torch.matmul(qg, k[0].transpose(1, 2)) * model.scaling  # [Hkv, G * w, n]
+    # Scores in float32 whatever the model's dtype (a no-op for float32 models): bfloat16 logits
+    # carry 8 bits of mantissa, enough to reorder close tokens, and these rows are cheap.
+    qg = q.reshape(spec.num_kv_heads, groups * w, spec.head_dim).float()
+    logits = torch.matmul(qg, k[0].float().transpose(1, 2)) * model.scaling  # [Hkv, G * w, n]
     if w == 1:
         # The last query sees every key: no causal mask, bit for bit the published LazyLLM score.
         if key_mask is not None:
             logits = logits.masked_fill(~key_mask, float("-inf"))
-        return torch.softmax(logits.float(), dim=-1).mean(dim=(0, 1))
+        return torch.softmax(logits, dim=-1).mean(dim=(0, 1))
     visible = k_positions[None, :] <= q_positions[:, None]  # [w, n]
     if key_mask is not None:
         visible = visible & key_mask[None, :]
     logits = logits.view(spec.num_kv_heads, groups, w, -1).masked_fill(~visible, float("-inf"))
-    return torch.softmax(logits.float(), dim=-1).sum(dim=2).mean(dim=(0, 1))
+    return torch.softmax(logits, dim=-1).sum(dim=2).mean(dim=(0, 1))
 
 
 def logits_of(model: EngineModel, h: torch.Tensor) -> torch.Tensor:

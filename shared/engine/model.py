@@ -34,5 +34,10 @@ class EngineModel:
         self.scaling = self.layers[0].self_attn.scaling
 
     @property
+    def dtype_name(self) -> str:
+        """The weights' dtype as a name: "float32", "bfloat16", ..."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def config(self):
         return self.hf.config

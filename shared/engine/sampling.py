@@ -108,6 +108,10 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor) -> Sampled:
         """The next token from `logits` [vocab] (not yet observed), with its log-probabilities if asked."""
+        # On the CPU in float32 whatever the model's device and dtype (a no-op for a CPU float32
+        # model): the generator is a CPU one, so a seeded stream is the same on CPU and GPU workers
+        # and its state travels in a transfer between them; one row of logits is cheap to move.
+        logits = logits.float().cpu()
         token = sample(self.process(logits), self.params, self.generator)
         if self.params.logprobs is None:
             return Sampled(token)

@@ -34,14 +34,14 @@ def test_logits_match_transformers_at_every_step(load, name, config):
     with torch.inference_mode():
         cache, logits = prefill(model, ids, config, reserve=STEPS)
         sequence = ids.tolist()
-        reference = hf(torch.tensor([sequence])).logits[0, -1]
+        reference = hf(torch.tensor([sequence], device=model.device)).logits[0, -1]
         torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
         for step in range(STEPS):
             # Teacher-forced mix of greedy and random tokens, so every step is compared whatever comes out.
             token = int(logits.argmax()) if step % 2 else int(torch.randint(3, 1000, (1,), generator=gen))
             sequence.append(token)
             logits = decode_step(model, cache, token, config)
-            reference = hf(torch.tensor([sequence])).logits[0, -1]
+            reference = hf(torch.tensor([sequence], device=model.device)).logits[0, -1]
             torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0, msg=f"step {step}")
     assert cache.computed_token_layers == model.spec.num_layers * len(sequence)
 
@@ -53,7 +53,8 @@ def test_greedy_tokens_equal_generate(load, name):
     ids = _prompt(loaded)
     eos = loaded.stop_token_ids
     with torch.inference_mode():
-        expected = model.hf.generate(ids[None], max_new_tokens=STEPS, do_sample=False)[0, ids.shape[0] :].tolist()
+        expected = model.hf.generate(ids[None].to(model.device), max_new_tokens=STEPS, do_sample=False)
+    expected = expected[0, ids.shape[0] :].tolist()
     expected = [t for t in expected if t not in eos]  # ours leaves the stop token out
     ours = generate(model, ids, OFF, SamplingParams(max_new_tokens=STEPS, stop_token_ids=eos))
     assert ours.tokens == expected[: len(ours.tokens)]

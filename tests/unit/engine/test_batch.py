@@ -109,14 +109,20 @@ def _run_batched(model, cases: list[Case]):
     return out, shared_steps
 
 
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dtyped(request, load):
+    """tiny-llama in each dtype the engine serves in: the batch must not change a token in either."""
+    return load("tiny-llama", request.param)
+
+
 @pytest.fixture(scope="module")
-def batched(tiny_llama):
-    return _run_batched(tiny_llama.engine, CASES)
+def batched(dtyped):
+    return _run_batched(dtyped.engine, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
-def test_each_sequence_of_a_mixed_batch_equals_its_own_run(tiny_llama, batched, case):
-    model = tiny_llama.engine
+def test_each_sequence_of_a_mixed_batch_equals_its_own_run(dtyped, batched, case):
+    model = dtyped.engine
     results, shared_steps = batched
     got = results[case.name]
     alone = generate(model, _ids(model, case), case.config, case.params)

@@ -23,12 +23,16 @@ def _encode(loaded, config=CONFIG, budget=1 << 20, params=FOUR_TOKENS):
     return encode_transfer(loaded, random_ids(loaded, N), config, params, budget=budget)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("budget", [1 << 20, 2048], ids=["one-frame-per-layer", "chunked"])
-def test_assembled_cache_equals_the_senders(tiny_llama, budget):
-    cache, messages = _encode(tiny_llama, budget=budget)
+def test_assembled_cache_equals_the_senders(load, budget, dtype):
+    loaded = load("tiny-llama", dtype)
+    cache, messages = _encode(loaded, budget=budget)
     if budget == 2048:
-        assert len(messages) > 2 + 2 * tiny_llama.engine.spec.num_layers  # layers really span several frames
-    got = assemble(tiny_llama, messages).cache
+        assert len(messages) > 2 + 2 * loaded.engine.spec.num_layers  # layers really span several frames
+    assert messages[0].header.dtype == dtype
+    got = assemble(loaded, messages).cache
+    assert got.layers[0].k.dtype == getattr(torch, dtype)
     for mine, theirs in zip(got.layers, cache.layers):
         assert torch.equal(mine.positions, theirs.positions)
         assert torch.equal(mine.k, theirs.k) and torch.equal(mine.v, theirs.v)

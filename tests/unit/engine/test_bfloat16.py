@@ -1,0 +1,97 @@
+"""The engine in bfloat16 equals transformers in bfloat16: with pruning off, the same greedy tokens
+as `generate()` and first-token logits within bfloat16's rounding; caches and transfers take half
+the bytes of float32.
+
+Both sides load the same weights in bfloat16 here, whatever `--dtype auto` would pick on this host.
+Tolerance of the logits: bfloat16 keeps 8 significant bits, so a logit near 20 is a multiple of
+0.125. The two paths run the same modules but group attention's sums differently (grouped KV heads
+natively vs repeated), and a rounding step anywhere in 30 layers can move a logit by a step of the
+largest one; two steps of the largest logit's spacing is the bound, and greedy tokens must agree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shared.engine import OFF, SamplingParams, generate, prefill
+from shared.models.catalog import TINY_MODELS
+from shared.transfer import payload_bytes
+from tests.helpers import encode_transfer, random_ids
+
+STEPS = 16
+
+
+def _bf16_step(reference: torch.Tensor) -> float:
+    """The spacing of bfloat16 numbers at the largest magnitude in `reference`."""
+    largest = float(reference.abs().max())
+    return 2.0 ** (math.floor(math.log2(largest)) - 7)
+
+
+def _compare_with_transformers(loaded, ids: torch.Tensor) -> None:
+    model = loaded.engine
+    assert model.dtype == torch.bfloat16
+    device_ids = ids[None].to(model.device)
+    with torch.inference_mode():
+        reference = model.hf(device_ids, logits_to_keep=1).logits[0, -1].float()
+        _, logits = prefill(model, ids, OFF)
+        expected = model.hf.generate(device_ids, max_new_tokens=STEPS, do_sample=False)[0, ids.shape[0] :].tolist()
+    difference = float((logits - reference).abs().max())
+    assert difference <= 2 * _bf16_step(reference), f"logits differ by {difference}"
+    eos = loaded.stop_token_ids
+    expected = [t for t in expected if t not in eos][: len(expected)]
+    ours = generate(model, ids, OFF, SamplingParams(max_new_tokens=STEPS, stop_token_ids=eos))
+    assert ours.tokens == expected[: len(ours.tokens)] and len(ours.tokens) == len(expected)
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("length", [12, 300])
+def test_tiny_models_in_bfloat16_equal_transformers(load, name, length):
+    loaded = load(name, "bfloat16")
+    ids = torch.randint(3, loaded.engine.spec.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
+    _compare_with_transformers(loaded, ids)
+
+
+def _smollm2_prompt(loaded, chars: int, topic: str) -> torch.Tensor:
+    """A chat-templated question over real prose from CPython's docs (at most about 2k tokens)."""
+    from pydoc_data.topics import topics
+
+    text = topics[topic][:chars]
+    messages = [{"role": "user", "content": f"{text}\n\nSummarize the text above in one sentence."}]
+    template = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return torch.tensor(loaded.tokenizer(template, add_special_tokens=False).input_ids)
+
+
+# Eight prompts from a few dozen tokens to about 2k: the short half in `make test`, the long half
+# (each about 10 s per side on a CPU without bfloat16 instructions) in the slow tier.
+SHORT = [(200, "assert"), (600, "pass"), (1200, "while"), (2000, "import")]
+LONG = [(3500, "typesmapping"), (5000, "assignment"), (7000, "debugger"), (8200, "formatstrings")]
+
+
+@pytest.mark.parametrize("chars, topic", SHORT, ids=[f"{t}-{c}" for c, t in SHORT])
+def test_smollm2_in_bfloat16_equals_transformers(load, chars, topic):
+    loaded = load("SmolLM2-135M-Instruct", "bfloat16")
+    _compare_with_transformers(loaded, _smollm2_prompt(loaded, chars, topic))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chars, topic", LONG, ids=[f"{t}-{c}" for c, t in LONG])
+def test_smollm2_in_bfloat16_equals_transformers_on_long_prompts(load, chars, topic):
+    loaded = load("SmolLM2-135M-Instruct", "bfloat16")
+    ids = _smollm2_prompt(loaded, chars, topic)
+    assert 500 < ids.shape[0] <= 2100
+    _compare_with_transformers(loaded, ids)
+
+
+def test_bfloat16_holds_and_sends_half_the_bytes(load):
+    float32, bfloat16 = load("tiny-llama"), load("tiny-llama", "bfloat16")
+    ids = random_ids(float32, 200)
+    full, _ = prefill(float32.engine, torch.tensor(ids), OFF)
+    half, _ = prefill(bfloat16.engine, torch.tensor(ids), OFF)
+    assert half.layers[0].k.dtype == torch.bfloat16 and half.held_bytes * 2 == full.held_bytes
+    _, wide = encode_transfer(float32, ids, OFF, SamplingParams(max_new_tokens=2))
+    _, narrow = encode_transfer(bfloat16, ids, OFF, SamplingParams(max_new_tokens=2))
+    sent = [sum(sum(payload_bytes(m)) for m in messages) for messages in (wide, narrow)]
+    assert sent[1] * 2 == sent[0] > 0
