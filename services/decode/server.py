@@ -29,7 +29,7 @@ from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
 from shared.net.telemetry import extract_context, tracer
-from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb
+from shared.transfer import FrameError, TransferAssembler, dtype_name, payload_bytes, stats_to_pb
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         spec = self.model.spec
         assembler = TransferAssembler(self.loaded.name, spec, self.model.dtype, self.model.device, spec.max_positions)
         first = next(request_iterator, None)
-        if first is None or first.WhichOneof("kind") != "header":
-            raise FrameError("a transfer must start with its header")
-        assembler.header(first.header)
+        try:
+            if first is None or first.WhichOneof("kind") != "header":
+                raise FrameError("a transfer must start with its header")
+            assembler.header(first.header)  # another model, dtype or shape: refused here
+        except FrameError:
+            self.transfers.count_refused()
+            raise
         # From here the table holds the only reference, so an expired lease frees the memory even
         # while this handler waits for a stalled sender's next message.
         transfer = self.transfers.begin(first.header.transfer_id, assembler)
@@ -206,6 +210,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             transfers_rejected=counters.rejected,
             transfers_expired=counters.expired,
             revived_token_layers=self.scheduler.revived_token_layers,
+            dtype=dtype_name(self.model.dtype),
+            device=str(self.model.device),
+            torch_threads=torch.get_num_threads(),
         )
 
     def close(self) -> None:

@@ -80,6 +80,11 @@ class TransferTable:
                 self.counters.rejected += 1
             transfer.assembler = None
 
+    def count_refused(self) -> None:
+        """A transfer refused at its header, before it held anything."""
+        with self._lock:
+            self.counters.rejected += 1
+
     def claim(self, transfer_id: str) -> Assembled:
         with self._lock:
             transfer = self._transfers.get(transfer_id)

@@ -15,6 +15,8 @@ import ray
 
 from services.prefill.settings import PrefillSettings
 
+log = logging.getLogger(__name__)
+
 
 class PrefillActor:
     def __init__(self, settings_json: str):
@@ -28,10 +30,14 @@ class PrefillActor:
         engine = settings.engine
         if settings.reset_niceness:
             _reset_niceness()
-        # Ray sets OMP_NUM_THREADS to the actor's CPUs; an explicit setting wins.
+        # Ray sets OMP_NUM_THREADS to the actor's CPUs (1 by default), which would leave a long
+        # prompt's prefill on one core: the actors of this worker share the node's cores instead.
         import torch
 
-        torch.set_num_threads(engine.threads or max(1, int(settings.num_cpus)))
+        from shared.net.settings import available_cores
+
+        torch.set_num_threads(engine.threads or max(1, available_cores() // settings.num_actors))
+        log.info("prefill actor: %d torch threads", torch.get_num_threads())
         loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
         if settings.host in ("0.0.0.0", "::") and settings.advertise_host is None:  # noqa: S104 -- a check, not a bind
             # Reachable from other nodes at this node's address, wherever Ray placed the actor.

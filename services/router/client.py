@@ -82,6 +82,24 @@ class Channels:
         self._channels.clear()
 
 
+async def decode_status(channels: Channels, worker: WorkerInfo, timeout: float = 2.0) -> dict:
+    """What a decode worker reports of itself (model, dtype, device, threads, load); an error entry if it
+    does not answer in time."""
+    stub = pb_grpc.DecodeServiceStub(channels.get(worker.address))
+    entry = {"role": worker.role, "address": worker.address, "model": worker.model}
+    try:
+        status = await stub.Status(pb.StatusRequest(), timeout=timeout, metadata=channels.auth.metadata())
+    except grpc.aio.AioRpcError as error:
+        return entry | {"error": f"{error.code().name}: {error.details()}"}
+    return entry | {
+        "dtype": status.dtype,
+        "device": status.device,
+        "torch_threads": status.torch_threads,
+        "sequences_active": status.sequences_active,
+        "bytes_held": status.bytes_held,
+    }
+
+
 async def generate_on(
     channels: Channels,
     decode: WorkerInfo,

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.admission import Admission, Slot, off_loop
 from services.router.auth import KeyStore
+from services.router.client import decode_status
 from services.router.dispatch import Dispatcher
 from services.router.errors import status_of
 from services.router.metrics import GatewayMetrics
@@ -197,7 +198,16 @@ class Gateway:
         return {"status": "ready", "decode_workers": len(decoders), "prefill_workers": len(prefillers)}
 
     async def version(self):
-        return {"version": __version__}
+        """The release, and what each decode worker runs (dtype, device, threads): `--dtype auto`
+        chooses per host, so this is where a deployment shows what it chose."""
+        try:
+            live = await off_loop(self.workers.list)
+        except Exception as error:
+            return self.error_response(error)
+        decoders = [w for w in live if w.role == "decode"]
+        channels = self.dispatcher.channels
+        workers = await asyncio.gather(*(decode_status(channels, worker) for worker in decoders))
+        return {"version": __version__, "decode_workers": list(workers)}
 
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: the ids a prompt (or chat messages, templated) becomes here."""

@@ -374,7 +374,11 @@ def test_tokenize_detokenize_and_version(stack, tiny_text):
     empty = httpx.post(f"{url}/tokenize", json={"messages": []}, timeout=10)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
     assert httpx.post(f"{url}/detokenize", json={"tokens": [10**9]}, timeout=10).json()["error"]["param"] == "tokens"
-    assert httpx.get(f"{url}/version", timeout=10).json()["version"] == "0.1.0"
+    version = httpx.get(f"{url}/version", timeout=10).json()
+    assert version["version"] == "0.1.0"
+    [worker] = version["decode_workers"]  # what --dtype auto chose there, and where it runs
+    assert (worker["address"], worker["dtype"], worker["device"]) == (stack[1].address, "float32", "cpu")
+    assert worker["torch_threads"] >= 1
 
 
 class _SlowRelease(StaticWorkers):

@@ -297,7 +297,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("model", "transfers_receiving", "transfers_ready", "sequences_active", "bytes_held", "transfers_completed", "transfers_rejected", "transfers_expired", "revived_token_layers")
+    __slots__ = ("model", "transfers_receiving", "transfers_ready", "sequences_active", "bytes_held", "transfers_completed", "transfers_rejected", "transfers_expired", "revived_token_layers", "dtype", "device", "torch_threads")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_RECEIVING_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_READY_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,9 @@ class WorkerStatus(_message.Message):
     TRANSFERS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     REVIVED_TOKEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TORCH_THREADS_FIELD_NUMBER: _ClassVar[int]
     model: str
     transfers_receiving: int
     transfers_ready: int
@@ -316,4 +319,7 @@ class WorkerStatus(_message.Message):
     transfers_rejected: int
     transfers_expired: int
     revived_token_layers: int
-    def __init__(self, model: _Optional[str] = ..., transfers_receiving: _Optional[int] = ..., transfers_ready: _Optional[int] = ..., sequences_active: _Optional[int] = ..., bytes_held: _Optional[int] = ..., transfers_completed: _Optional[int] = ..., transfers_rejected: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., revived_token_layers: _Optional[int] = ...) -> None: ...
+    dtype: str
+    device: str
+    torch_threads: int
+    def __init__(self, model: _Optional[str] = ..., transfers_receiving: _Optional[int] = ..., transfers_ready: _Optional[int] = ..., sequences_active: _Optional[int] = ..., bytes_held: _Optional[int] = ..., transfers_completed: _Optional[int] = ..., transfers_rejected: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., revived_token_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., torch_threads: _Optional[int] = ...) -> None: ...
