@@ -19,8 +19,14 @@ def reference_text() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
-def long_text_ids(tokenizer, length: int) -> torch.Tensor:
-    """The first `length` tokens of the reference text (real prose, not random ids)."""
+def long_text_ids(tokenizer, length: int, vocab_size: int | None = None) -> torch.Tensor:
+    """The first `length` tokens of the reference text (real prose, not random ids).
+
+    A model without a tokenizer (a random-weight model on a machine where the bundled one is not
+    installed) gets seeded random ids below `vocab_size` instead: its timings do not depend on the text."""
+    if tokenizer is None:
+        assert vocab_size is not None, "a model without a tokenizer needs vocab_size"
+        return torch.randint(3, vocab_size, (length,), generator=torch.Generator().manual_seed(length))
     ids = tokenizer(reference_text()).input_ids
     assert len(ids) >= length, f"reference text has only {len(ids)} tokens"
     return torch.tensor(ids[:length])
@@ -33,13 +39,24 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def machine() -> dict:
-    return {
-        "cpu": platform.processor() or platform.machine(),
+    """What a figure was measured on: the CPU with the flags that decide `--dtype auto`, the GPU if any."""
+    from shared.models.precision import CpuFeatures
+    from shared.net.settings import available_cores
+
+    cpu = CpuFeatures.detect()
+    report = {
+        "cpu": cpu.model_name or platform.processor() or platform.machine(),
+        "cpu_flags": list(cpu.flags),
+        "native_bfloat16": cpu.native_bfloat16,
+        "cores": available_cores(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
     }
+    if torch.cuda.is_available():
+        report["gpu"] = torch.cuda.get_device_name()
+    return report
 
 
 def write_json(path: Path, report: dict) -> None:

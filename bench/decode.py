@@ -113,7 +113,7 @@ def _padded(model, queries, keys, values):
     spec = model.spec
     sizes = [k.shape[2] for k in keys]
     longest = max(sizes)
-    k = torch.zeros(len(keys), spec.num_kv_heads, longest, spec.head_dim)
+    k = torch.zeros(len(keys), spec.num_kv_heads, longest, spec.head_dim, dtype=keys[0].dtype)
     v = torch.zeros_like(k)
     mask = torch.zeros(len(keys), 1, 1, longest, dtype=torch.bool)
     for i, n in enumerate(sizes):
@@ -130,9 +130,9 @@ def bench_attention(model, lengths: list[int], batch_sizes: list[int], repeats: 
     gen = torch.Generator().manual_seed(0)
     for count in batch_sizes:
         sizes = [lengths[i % len(lengths)] for i in range(count)]
-        keys = [torch.randn(1, spec.num_kv_heads, n, spec.head_dim, generator=gen) for n in sizes]
+        keys = [torch.randn(1, spec.num_kv_heads, n, spec.head_dim, generator=gen).to(model.dtype) for n in sizes]
         values = [torch.randn_like(k) for k in keys]
-        queries = [torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=gen) for _ in sizes]
+        queries = [torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=gen).to(model.dtype) for _ in sizes]
 
         per_sequence = functools.partial(_per_sequence, model, queries, keys, values)
         padded = functools.partial(_padded, model, queries, keys, values)
@@ -158,23 +158,11 @@ def bench_attention(model, lengths: list[int], batch_sizes: list[int], repeats: 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lazyserve bench decode", description=__doc__)
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--tokens", type=int, default=16, help="decode tokens per sequence and run")
-    parser.add_argument("--presets", nargs="+", default=["off", "default"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="out/bench_decode.json")
-    args = parser.parse_args(argv)
-
+def bench_dtype(args, dtype: str) -> dict:
     from shared.contract import preset
     from shared.models.weights import load_model
 
-    torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=dtype)
     model = loaded.engine
     configs = {name: preset(name, model.spec.num_layers) for name in args.presets}
     prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
@@ -182,14 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     attention = bench_attention(
         model, [args.prompt // 2, args.prompt, args.prompt * 3 // 2], args.concurrency, args.repeats * 5
     )
-    report = {
+    return {
         "model": loaded.name,
-        "threads": args.threads,
-        "prompt_tokens": args.prompt,
+        "dtype": loaded.dtype_choice.dtype,
+        "dtype_reason": loaded.dtype_choice.reason,
         "pruning": {name: config.model_dump() for name, config in configs.items()},
         "throughput": throughput,
         "attention": attention,
     }
+
+
+def _print_dtype(run: dict) -> None:
+    print(f"\n{run['dtype']} ({run['dtype_reason']})")
     print(
         markdown_table(
             [
@@ -209,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['batched_over_interleaved']:.2f}x",
                     r["revived_token_layers"]["batched"],
                 ]
-                for r in throughput
+                for r in run["throughput"]
             ],
         )
     )
@@ -224,10 +216,61 @@ def main(argv: list[str] | None = None) -> int:
                     f"{a['median_s_per_layer']['padded'] * 1e3:.2f}",
                     f"{a['padded_over_per_sequence']:.2f}",
                 ]
-                for a in attention
+                for a in run["attention"]
             ],
         )
     )
+
+
+def across_dtypes(runs: list[dict]) -> list[dict]:
+    """Batched tokens/s of every dtype over the first dtype's, per (pruning, sequences)."""
+    base = {(r["pruning"], r["sequences"]): r["tokens_per_s"]["batched"] for r in runs[0]["throughput"]}
+    return [
+        {
+            "dtype": run["dtype"],
+            "over": runs[0]["dtype"],
+            "pruning": r["pruning"],
+            "sequences": r["sequences"],
+            "batched_ratio": r["tokens_per_s"]["batched"] / base[(r["pruning"], r["sequences"])],
+        }
+        for run in runs[1:]
+        for r in run["throughput"]
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shared.models.precision import DTYPE_CHOICES
+
+    parser = argparse.ArgumentParser(prog="lazyserve bench decode", description=__doc__)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--tokens", type=int, default=16, help="decode tokens per sequence and run")
+    parser.add_argument("--presets", nargs="+", default=["off", "default"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=DTYPE_CHOICES, default=["float32", "bfloat16"], help="side by side in one run"
+    )
+    parser.add_argument("--out", default="out/bench_decode.json")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    runs = [bench_dtype(args, dtype) for dtype in args.dtypes]
+    for run in runs:
+        _print_dtype(run)
+    across = across_dtypes(runs)
+    if across:
+        print(f"\nbatched tok/s over {runs[0]['dtype']}")
+        rows = [[a["dtype"], a["pruning"], a["sequences"], f"{a['batched_ratio']:.2f}x"] for a in across]
+        print(markdown_table(["dtype", "pruning", "sequences", "batched tok/s ratio"], rows))
+    report = {
+        "model": runs[0]["model"],
+        "threads": args.threads,
+        "prompt_tokens": args.prompt,
+        "runs": runs,
+        "across_dtypes": across,
+    }
     write_json(Path(args.out), report)
     print(f"\nwrote {args.out}")
     return 0

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from bench.common import long_text_ids, markdown_table, write_json
+from shared.models.precision import DTYPE_CHOICES, resolve_dtype
 
 
-def _start_decode_worker(model: str, threads: int):
+def _start_decode_worker(model: str, threads: int, dtype: str):
     process = subprocess.Popen(
         [
             sys.executable,
@@ -36,6 +37,8 @@ def _start_decode_worker(model: str, threads: int):
             "0",
             "--threads",
             str(threads),
+            "--dtype",
+            dtype,
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every process")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="every process's model dtype")
     parser.add_argument("--out", default="out/bench_disagg.json")
     args = parser.parse_args(argv)
 
@@ -78,17 +82,25 @@ def main(argv: list[str] | None = None) -> int:
     from shared.net.settings import EngineSettings
 
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
+    args.dtype = resolve_dtype(args.dtype).dtype  # one choice for every process (they share this host)
+    loaded = load_model(args.model, dtype=args.dtype)
     model, spec = loaded.engine, loaded.engine.spec
     configs = {"full": OFF, "lazy": default_pruning(spec.num_layers)}
     params = SamplingParams(max_new_tokens=args.new_tokens)
 
     ensure_ray(num_cpus=os.cpu_count(), log_to_driver=False)
-    settings = PrefillSettings(engine=EngineSettings(model=args.model, threads=args.threads), num_cpus=1)
+    engine = EngineSettings(model=args.model, threads=args.threads, dtype=args.dtype)
+    settings = PrefillSettings(engine=engine, num_cpus=1)
     actor = launch_prefill_actors(settings)[0]
-    decode_process, decode_address = _start_decode_worker(args.model, args.threads)
+    decode_process, decode_address = _start_decode_worker(args.model, args.threads, args.dtype)
     prefill, decode = PrefillClient(actor_addresses([actor])[0]), DecodeClient(decode_address)
-    report = {"model": loaded.name, "threads": args.threads, "new_tokens": args.new_tokens, "results": []}
+    report = {
+        "model": loaded.name,
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "new_tokens": args.new_tokens,
+        "results": [],
+    }
     try:
         warm = long_text_ids(loaded.tokenizer, min(args.lengths)).tolist()
         for config in configs.values():  # warm-up: first calls pay for lazy initialisation

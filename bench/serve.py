@@ -1,11 +1,16 @@
-"""`lazyserve bench serve`: a loopback load test of the whole service, length-aware vs round-robin.
+"""`lazyserve bench serve`: a loopback load test of the whole service.
 
-Starts prefill actors on a local Ray and decode workers as processes, then for each routing
-policy a gateway process over the same workers, and replays one workload against it: Poisson
-arrivals, prompt lengths log-uniform between --min-len and --max-len (real text), streamed
-completions through the REST API. Reports TTFT, inter-token latency (TPOT) and end-to-end p50 /
-p99, throughput, and goodput (requests/s meeting the TTFT and TPOT SLO). Bounded: --requests
-requests, each policy's run stops after --max-seconds.
+One workload (Poisson arrivals, prompt lengths log-uniform between --min-len and --max-len of real
+text, streamed completions through the REST API) replayed against:
+- `--stack up` (the default): `lazyserve up` as a user starts it, with its defaults (threads,
+  dtype, one prefill actor, one decode worker), once per --up-threads value side by side: `auto`
+  is up's own sizing, a number gives every worker that many threads (1 on 2 cores: prefill and
+  decode on separate cores; 2: both share both);
+- `--stack workers`: prefill actors on a local Ray and decode worker processes started here, and
+  for each routing policy a gateway over the same workers (length-aware vs round-robin).
+Reports TTFT, inter-token latency (TPOT) and end-to-end p50 / p99, throughput, and goodput
+(requests/s meeting the TTFT and TPOT SLO). Bounded: --requests requests, each run stops after
+--max-seconds.
 """
 
 from __future__ import annotations
@@ -150,11 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-len", type=int, default=200)
     parser.add_argument("--max-len", type=int, default=6000)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--prefill-workers", type=int, default=2)
-    parser.add_argument("--decode-workers", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    parser.add_argument("--local-threshold", type=int, default=1024)
-    parser.add_argument("--policies", nargs="+", default=["length", "round_robin"])
+    parser.add_argument("--stack", choices=["up", "workers"], default="up", help="what serves the workload")
+    parser.add_argument(
+        "--up-threads",
+        nargs="+",
+        default=["auto"],
+        help="--stack up: one run per value, side by side: auto (up's default) or threads per worker",
+    )
+    parser.add_argument("--dtype", default=None, help="the workers' dtype (default: theirs, auto)")
+    parser.add_argument("--prefill-workers", type=int, default=None, help="default: up's 1; --stack workers: 2")
+    parser.add_argument("--decode-workers", type=int, default=None, help="default: up's 1; --stack workers: 2")
+    parser.add_argument("--threads", type=int, default=1, help="--stack workers: torch threads per worker")
+    parser.add_argument("--local-threshold", type=int, default=None, help="default: the gateway's")
+    parser.add_argument("--policies", nargs="+", default=["length", "round_robin"], help="--stack workers only")
     parser.add_argument("--slo-ttft", type=float, default=10.0, help="seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.5, help="seconds per output token")
     parser.add_argument("--max-seconds", type=float, default=900.0, help="bound of each policy's run")
@@ -163,11 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from bench.common import reference_text
-    from services.prefill.actor import actor_addresses, ensure_ray, launch_prefill_actors
-    from services.prefill.settings import PrefillSettings
-    from services.up import wait_for_gateway
     from shared.models.text import load_text_model
-    from shared.net.settings import EngineSettings
 
     text = load_text_model(args.model)
     corpus = text.tokenizer(reference_text()).input_ids
@@ -177,21 +186,76 @@ def main(argv: list[str] | None = None) -> int:
     for _, length in items:
         offset = rng.randrange(0, len(corpus) - length)
         prompts.append(corpus[offset : offset + length])
-
-    ensure_ray(num_cpus=max(os.cpu_count(), args.prefill_workers), log_to_driver=False)
-    settings = PrefillSettings(
-        engine=EngineSettings(model=args.model, threads=args.threads), num_cpus=1, num_actors=args.prefill_workers
-    )
-    processes = []
     report = {"args": vars(args), "workload": [length for _, length in items], "policies": {}}
+    if args.stack == "up":
+        for threads in args.up_threads:
+            outcomes, wall = _through_up(args, threads, items, prompts)
+            summary = summarize(outcomes, wall, args.slo_ttft, args.slo_tpot)
+            name = f"up threads={threads}"
+            report["policies"][name] = {"summary": summary, "requests": [asdict(o) for o in outcomes]}
+            print(f"{name}: {summary['ok']}/{summary['requests']} ok in {wall:.0f} s", flush=True)
+    else:
+        _through_workers(args, items, prompts, report)
+    _print(report)
+    write_json(Path(args.out), report)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _through_up(args, threads: str, items, prompts) -> tuple[list[Outcome], float]:
+    """Start `lazyserve up` with its defaults (and the flags given), replay the workload, stop it."""
+    import signal
+
+    from services.up import wait_for_gateway
+
+    port = 8100
+    command = ["up", "--model", args.model, "--port", str(port)]
+    command += ["--prefill-actors", str(args.prefill_workers)] if args.prefill_workers else []
+    command += ["--decode-workers", str(args.decode_workers)] if args.decode_workers else []
+    command += ["--local-threshold", str(args.local_threshold)] if args.local_threshold is not None else []
+    command += ["--dtype", args.dtype] if args.dtype else []
+    command += [] if threads == "auto" else ["--threads", str(int(threads))]
+    env = {"LAZYSERVE_GATEWAY_REQUEST_TIMEOUT_S": str(args.max_seconds)}
+    process = subprocess.Popen(  # noqa: S603 -- this interpreter running our own CLI
+        [sys.executable, "-m", "services.cli", *command], stdout=subprocess.PIPE, text=True, env={**os.environ, **env}
+    )
+    try:
+        for line in process.stdout:
+            if line.startswith("READY gateway "):
+                break
+        else:
+            raise RuntimeError(f"lazyserve {' '.join(command)} did not start")
+        url = f"http://127.0.0.1:{port}"
+        wait_for_gateway(url, 60.0)
+        asyncio.run(replay(url, [(0.0, 300)], [prompts[0][:300]], 2, 120))  # warm-up
+        start = time.monotonic()
+        outcomes = asyncio.run(replay(url, items, prompts, args.max_tokens, args.max_seconds))
+        return outcomes, time.monotonic() - start
+    finally:
+        process.send_signal(signal.SIGTERM)  # up stops every child it started
+        process.wait(timeout=60)
+
+
+def _through_workers(args, items, prompts, report: dict) -> None:
+    from services.prefill.actor import actor_addresses, ensure_ray, launch_prefill_actors
+    from services.prefill.settings import PrefillSettings
+    from services.up import wait_for_gateway
+    from shared.net.settings import EngineSettings
+
+    args.prefill_workers = args.prefill_workers or 2
+    args.decode_workers = args.decode_workers or 2
+    local_threshold = 1024 if args.local_threshold is None else args.local_threshold
+    engine = {"model": args.model, "threads": args.threads} | ({"dtype": args.dtype} if args.dtype else {})
+    ensure_ray(num_cpus=max(os.cpu_count(), args.prefill_workers), log_to_driver=False)
+    settings = PrefillSettings(engine=EngineSettings(**engine), num_cpus=1, num_actors=args.prefill_workers)
+    processes = []
     try:
         actors = launch_prefill_actors(settings)
         prefill_addresses = actor_addresses(actors)
         decode_addresses = []
         for _ in range(args.decode_workers):
-            process, address = _start(
-                ["decode-worker", "--model", args.model, "--port", "0", "--threads", str(args.threads)], "decode"
-            )
+            worker = ["decode-worker", "--model", args.model, "--port", "0", "--threads", str(args.threads)]
+            process, address = _start(worker + (["--dtype", args.dtype] if args.dtype else []), "decode")
             processes.append(process)
             decode_addresses.append(address)
         for policy in args.policies:
@@ -206,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--routing",
                     policy,
                     "--local-threshold",
-                    str(args.local_threshold),
+                    str(local_threshold),
                     "--prefill-workers",
                     ",".join(prefill_addresses),
                     "--decode-workers",
@@ -235,10 +299,6 @@ def main(argv: list[str] | None = None) -> int:
         import ray
 
         ray.shutdown()
-    _print(report)
-    write_json(Path(args.out), report)
-    print(f"\nwrote {args.out}")
-    return 0
 
 
 def _print(report: dict) -> None:

@@ -24,6 +24,7 @@ from bench.common import machine, markdown_table
 from bench.evalsuite import fidelity, scorers
 from bench.evalsuite.intervals import mean_ci, paired_difference_ci
 from bench.evalsuite.tasks import ANSWER_TASKS, DEFAULT_TASKS, TASKS, make_suite
+from shared.models.precision import DTYPE_CHOICES, resolve_dtype
 
 # Schedules to compare besides the presets, on a 30-layer model: (layer, keep) after 0-based layer.
 SCHEDULES = {
@@ -61,8 +62,12 @@ def case_ids(llm, case) -> list[int]:
     return llm.chat_ids([{"role": "user", "content": case.content}])
 
 
-def run_case(llm, case, configs: dict) -> list[dict]:
-    """Records of one case: the unpruned reference as "off", then every configuration against it."""
+def run_case(llm, case, configs: dict, runner=None, label: str = "") -> list[dict]:
+    """Records of one case: the unpruned reference as "off", then every configuration against it.
+
+    runner: the LLM the configurations run on when it differs from the reference's (another
+    dtype); its records are named NAME + label ("default@bfloat16"), its "off" included."""
+    runner = runner or llm
     model, stops = llm.engine, tuple(llm.stop_token_ids)
     ids = case_ids(llm, case)
     ref = fidelity.reference(model, ids, stops)
@@ -98,14 +103,14 @@ def run_case(llm, case, configs: dict) -> list[dict]:
         }
     ]
     for name, config in configs.items():
-        if name == "off":
+        if name == "off" and runner is llm:
             continue
-        run = fidelity.run(model, ids, config, ref, case.max_tokens, stops)
+        run = fidelity.run(runner.engine, ids, config, ref, case.max_tokens, stops)
         text = llm.tokenizer.decode(run.tokens, skip_special_tokens=True)
         records.append(
             base
             | {
-                "config": name,
+                "config": name + label,
                 "ttft_s": run.ttft_s,
                 "seconds": run.seconds,
                 "score": scorers.score(case.scorer, text, case.answer, case.labels, ref_text),
@@ -361,6 +366,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", choices=["dev", "test"], default="dev")
     parser.add_argument("--limit", type=int, default=30, help="cases per (task, length)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="the configurations' dtype (auto: bfloat16 where the CPU computes it, else float32)",
+    )
+    parser.add_argument(
+        "--reference-dtype",
+        choices=DTYPE_CHOICES,
+        default="float32",
+        help="the unpruned reference's dtype; when --dtype differs, every configuration (off included) "
+        "runs at --dtype and is named NAME@DTYPE",
+    )
     parser.add_argument("--quick", action="store_true", help="1.5k tokens, 2 tasks, 3 cases each: under 5 minutes")
     parser.add_argument("--out", default="out/eval")
     parser.add_argument(
@@ -395,7 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     from shared.models.weights import load_model
 
     torch.set_num_threads(args.threads)
-    llm = LLM(load_model(args.model))
+    llm = LLM(load_model(args.model, dtype=args.reference_dtype))
+    runner, label = llm, ""
+    chosen = resolve_dtype(args.dtype).dtype
+    if chosen != llm.engine.dtype_name:
+        runner, label = LLM(load_model(args.model, dtype=chosen)), f"@{chosen}"
     try:
         configs = resolve_configs(args.configs, args.schedule, llm)
     except ValueError as error:
@@ -403,9 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     cases = make_suite(llm.tokenizer, args.tasks, args.lengths, args.split, args.limit)
     records, start = [], time.time()
     for case in tqdm(cases, desc="eval", unit="case"):
-        records.extend(run_case(llm, case, configs))
+        records.extend(run_case(llm, case, configs, runner, label))
+    resolved = {name + label: config.model_dump() for name, config in configs.items()}
     settings = vars(args) | {
-        "resolved": {name: config.model_dump() for name, config in configs.items()},
+        # "off" is always the reference; with a label, the configurations carry it.
+        "resolved": resolved | ({"off": llm.resolve_pruning("off").model_dump()} if label else {}),
+        "reference_dtype": llm.engine.dtype_name,
+        "configs_dtype": chosen,
         "seconds": time.time() - start,
     }
     write_report(Path(args.out), records, settings, host=machine())

