@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from shared.engine import OFF, SamplingParams, generate, prefill
+from shared.engine import OFF, PruneConfig, SamplingParams, generate, prefill
 from shared.models.catalog import TINY_MODELS
 from shared.transfer import payload_bytes
 from tests.helpers import encode_transfer, random_ids
@@ -95,3 +95,12 @@ def test_bfloat16_holds_and_sends_half_the_bytes(load):
     _, narrow = encode_transfer(bfloat16, ids, OFF, SamplingParams(max_new_tokens=2))
     sent = [sum(sum(payload_bytes(m)) for m in messages) for messages in (wide, narrow)]
     assert sent[1] * 2 == sent[0] > 0
+    # What a response's `metrics` reports (kv_cache_bytes, aux_cache_bytes) halves with them. Under
+    # pruning the prefill keeps the same counts at both dtypes; decode's revivals follow each
+    # dtype's own scores (a token or two apart), so one token is generated, by the prefill alone.
+    lazy = PruneConfig(stages=((1, 0.5), (3, 0.25)), min_prompt_tokens=0)
+    for config, params in ((OFF, SamplingParams(max_new_tokens=4)), (lazy, SamplingParams(max_new_tokens=1))):
+        wide_stats = generate(float32.engine, torch.tensor(ids), config, params).stats
+        narrow_stats = generate(bfloat16.engine, torch.tensor(ids), config, params).stats
+        assert narrow_stats.kv_cache_bytes * 2 == wide_stats.kv_cache_bytes > 0
+        assert narrow_stats.aux_cache_bytes * 2 == wide_stats.aux_cache_bytes
