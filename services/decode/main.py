@@ -24,7 +24,13 @@ def serve(settings: DecodeSettings) -> int:
     # One line on stdout that scripts (and tests) wait for; the port may have been picked by the OS.
     heartbeat = None
     if settings.redis_url:
-        info = WorkerInfo(role="decode", address=worker.address, model=loaded.name, capacity=settings.max_sequences)
+        info = WorkerInfo(
+            role="decode",
+            address=worker.address,
+            model=loaded.name,
+            capacity=settings.max_sequences,
+            dtype=loaded.engine.dtype_name,
+        )
         heartbeat = Heartbeat(settings.redis_url, info, settings.heartbeat_ttl_s)
     print(f"READY decode {worker.address}", flush=True)
     wait_for_signal()

@@ -52,6 +52,7 @@ class PrefillActor:
                 address=self.worker.address,
                 model=loaded.name,
                 capacity=settings.max_concurrent_prefills,
+                dtype=loaded.engine.dtype_name,
             )
             self.heartbeat = Heartbeat(settings.redis_url, info, settings.heartbeat_ttl_s)
 

@@ -68,6 +68,10 @@ class LengthAwarePolicy:
         if not prefillers:
             # Visible in the reason, the metric and the log: a long prompt prefilled on decode.
             return Decision(decode, None, "long prompt, but no prefill worker is live", cost, max_tokens)
+        prefillers = [w for w in prefillers if w.can_pair(decode)]
+        if not prefillers:
+            reason = f"long prompt, but no live prefill worker runs {decode.dtype}"
+            return Decision(decode, None, reason, cost, max_tokens)
         prefill = _least(prefillers, workers.loads(PREFILL_COST))
         return Decision(
             decode, prefill, f"long prompt ({prompt_tokens} >= {self.local_threshold} tokens)", cost, max_tokens
@@ -99,8 +103,10 @@ class RoundRobinPolicy:
         if not decoders:
             raise NoWorkerError(f"no decode worker serves {model!r}")
         turn = next(self._turn)
+        decode = decoders[turn % len(decoders)]
+        prefillers = [w for w in prefillers if w.can_pair(decode)]
         prefill = prefillers[turn % len(prefillers)] if prefillers else None
-        return Decision(decoders[turn % len(decoders)], prefill, "round robin", prompt_tokens * fraction, max_tokens)
+        return Decision(decode, prefill, "round robin", prompt_tokens * fraction, max_tokens)
 
 
 def make_policy(name: str, local_threshold: int):

@@ -32,6 +32,13 @@ class WorkerInfo(BaseModel):
     address: str
     model: str
     capacity: int = Field(1, ge=1, description="prefills (prefill) or sequences (decode) at once")
+    # A transfer must be in its decode worker's dtype; `--dtype auto` can choose differently on
+    # hosts with different CPUs. "" (a static list) is unknown: any pairing.
+    dtype: str = Field("", description="the model's dtype on this worker: float32, bfloat16, ...")
+
+    def can_pair(self, other: WorkerInfo) -> bool:
+        """Whether a transfer between this worker and `other` is in a dtype both run."""
+        return not self.dtype or not other.dtype or self.dtype == other.dtype
 
 
 def connect(url: str) -> redis.Redis:

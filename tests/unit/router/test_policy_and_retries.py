@@ -45,6 +45,26 @@ def test_short_prompts_stay_local_and_long_ones_go_to_the_least_loaded_pair():
     assert policy.choose(workers, MODEL, 4000, 0.5, 16, exclude={"p1", "d1"}).prefill.worker_id == "p0"
 
 
+def test_a_transfer_is_only_planned_between_workers_of_one_dtype():
+    """`--dtype auto` differs between hosts with and without bfloat16 instructions; a decode worker
+    refuses a transfer in another dtype, so the router never plans one."""
+    infos = [
+        WorkerInfo(worker_id="d0", role="decode", address="d0:1", model=MODEL, dtype="float32"),
+        WorkerInfo(worker_id="p0", role="prefill", address="p0:1", model=MODEL, dtype="bfloat16"),
+        WorkerInfo(worker_id="p1", role="prefill", address="p1:1", model=MODEL, dtype="float32"),
+    ]
+    workers = StaticWorkers(infos)
+    workers.add_load(PREFILL_COST, "p1", 10_000)  # the busier one, but the only one that can pair
+    decision = LengthAwarePolicy(local_threshold=10).choose(workers, MODEL, 500, 1.0, 4)
+    assert (decision.prefill.worker_id, decision.decode.worker_id) == ("p1", "d0")
+    alone = LengthAwarePolicy(local_threshold=10).choose(workers, MODEL, 500, 1.0, 4, exclude={"p1"})
+    assert alone.prefill is None and alone.reason == "long prompt, but no live prefill worker runs float32"
+    round_robin = RoundRobinPolicy()
+    assert {round_robin.choose(workers, MODEL, 500, 1.0, 4).prefill.worker_id for _ in range(4)} == {"p1"}
+    # Unknown (a static list): anything pairs.
+    assert WorkerInfo(role="decode", address="a:1", model=MODEL).can_pair(infos[1])
+
+
 def test_no_prefill_worker_is_said_and_no_decode_worker_is_refused():
     policy = LengthAwarePolicy(local_threshold=10)
     decision = policy.choose(_workers(prefill=0), MODEL, 500, 1.0, 4)
