@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -9,6 +11,12 @@ from shared.models.catalog import TINY_MODELS
 from shared.models.weights import load_model
 
 torch.set_num_threads(2)
+
+# Every worker a test starts (in process, as a subprocess, as a Ray actor) runs float32, whatever
+# `--dtype auto` would pick on this host: CI runs on hosts with and without bfloat16 instructions,
+# and the tests compare workers with the float32 engine. Tests of bfloat16 ask for it by name;
+# tests of auto inject the CPU's flags (tests/unit/shared/test_precision.py).
+os.environ["LAZYSERVE_DTYPE"] = "float32"
 
 ALL_MODELS = (*TINY_MODELS, "SmolLM2-135M-Instruct")
 

@@ -61,6 +61,7 @@ def test_cpuinfo_flags_are_read_from_the_first_processor():
 
 
 def test_the_settings_default_is_auto_and_the_environment_sets_it(monkeypatch):
+    monkeypatch.delenv("LAZYSERVE_DTYPE")  # tests/conftest.py pins float32 for every worker tests start
     assert EngineSettings().dtype == "auto"
     monkeypatch.setenv("LAZYSERVE_DTYPE", "bfloat16")
     assert EngineSettings().dtype == "bfloat16"
