@@ -18,6 +18,7 @@ from shared.engine.generate import (
 )
 from shared.engine.model import EngineModel
 from shared.engine.prefill import LayerFrame, PrefillRun, prefill
+from shared.engine.prefix import PrefixCache, PrefixHit, block_keys, held_layers, namespace
 from shared.engine.pruning import select
 from shared.engine.sampling import Sampled, Sampler, sample
 
@@ -30,6 +31,8 @@ __all__ = [
     "LazyCache",
     "ModelSpec",
     "PrefillRun",
+    "PrefixCache",
+    "PrefixHit",
     "PruneConfig",
     "QueryWindow",
     "Sampled",
@@ -44,6 +47,9 @@ __all__ = [
     "fill_prefill_stats",
     "generate",
     "run_decoding",
+    "block_keys",
+    "held_layers",
+    "namespace",
     "prefill",
     "sample",
     "select",

@@ -126,6 +126,7 @@ class LazyCache:
     length: int = 0  # positions filled: prompt plus generated tokens
     computed_token_layers: int = 0
     revived_token_layers: int = 0
+    cached_tokens: int = 0  # prompt tokens whose first layers came from a prefix cache
     # Per layer, the prefill's computed (kept) token count: the schedule as honoured.
     kept_per_layer: list[int] = field(default_factory=list)
     # Per stage layer, the query window of a `lazy` schedule with window > 1.
@@ -145,8 +146,11 @@ class LazyCache:
             depth=torch.zeros(capacity, dtype=torch.long, device=device),
         )
 
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store KV computed at `layer` for `positions`; each (token, layer) at most once."""
+    def write(
+        self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, computed: bool = True
+    ) -> None:
+        """Store KV computed at `layer` for `positions`; each (token, layer) at most once.
+        computed=False: KV taken from a prefix cache, held but not computed here."""
         if positions.shape[0] > 0:
             end = int(positions.max()) + 1
             if end > self.depth.shape[0]:
@@ -158,7 +162,8 @@ class LazyCache:
             self.length = max(self.length, end)
         self.layers[layer].append(positions, k, v)
         self.depth[positions] = layer + 1
-        self.computed_token_layers += positions.shape[0]
+        if computed:
+            self.computed_token_layers += positions.shape[0]
 
     def stash(self, layer: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Put tokens that stop after `layer` into that layer's Aux Cache."""

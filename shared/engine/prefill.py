@@ -6,6 +6,11 @@ live tokens, the top fraction goes on, and the rest stop: their hidden states go
 Aux Cache. A `lazy` schedule keeps that window of queries for decode's re-selection. Every
 finished layer is handed to `on_layer` as a LayerFrame, which the disaggregated prefill streams
 as it comes.
+
+A prefill may start from a prefix cache hit (shared/engine/prefix.py): at the shared layers only
+the new tokens are computed, over the cached keys and their own; leaving the last shared layer
+the cached tokens rejoin from their stored hidden states, and selection scores every token with
+this prompt's own query window, as without the cache.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from shared.engine.cache import LazyCache, QueryWindow
 from shared.engine.layer import attend, finish, logits_of, project_qkv, window_scores
 from shared.engine.model import EngineModel
+from shared.engine.prefix import PrefixHit, held_layers
 from shared.engine.pruning import PruneConfig, ScoreInputs, scorer_for, select
 
 
@@ -51,19 +57,34 @@ class PrefillRun:
         *,
         reserve: int = 0,
         on_layer: Callable[[LayerFrame], None] | None = None,
+        prefix: PrefixHit | None = None,
+        keep_boundary: bool = False,
     ):
         n = ids.shape[0]
         if n < 1:
             raise ValueError("empty prompt")
         self.model, self.on_layer, self.num_prompt = model, on_layer, n
+        held = held_layers(config, model.spec.num_layers)
+        if prefix is not None:
+            if prefix.layers != held:
+                raise ValueError(f"a prefix of {prefix.layers} layers for a schedule that shares {held}")
+            if not 0 < prefix.tokens <= n - max(config.window, 1):
+                raise ValueError(f"a prefix of {prefix.tokens} tokens leaves no query window in {n}")
+        self.prefix, self.held = prefix, held
         self.config = config.for_prompt(n)
         self.cache = LazyCache.empty(model.spec, n, reserve, model.dtype, model.device)
+        self.cache.cached_tokens = 0 if prefix is None else prefix.tokens
         self.scorer = scorer_for(self.config)
-        self.positions = torch.arange(n, device=model.device)  # the live set, sorted
+        start = 0 if prefix is None else prefix.tokens
+        self.positions = torch.arange(start, n, device=model.device)  # the live set computed, sorted
         self.ids = ids
         self.h: torch.Tensor | None = None  # [live, hidden]; embedded at the first step
         self.layer = 0
         self.logits: torch.Tensor | None = None  # [vocab], once the last layer has run
+        # With keep_boundary, the hidden states of every prompt token leaving layer held - 1
+        # [n, hidden] (what a prefix cache entry keeps); None while not reached or not asked.
+        self.keep_boundary = keep_boundary and held < model.spec.num_layers
+        self.boundary: torch.Tensor | None = None
 
     @property
     def done(self) -> bool:
@@ -81,25 +102,43 @@ class PrefillRun:
             raise RuntimeError("the prefill has finished")
         model, cache, config, index = self.model, self.cache, self.config, self.layer
         if self.h is None:
-            self.h = model.embed_tokens(self.ids.to(model.device))
+            self.h = model.embed_tokens(self.ids[self.positions.cpu()].to(model.device))
         positions, h = self.positions, self.h
         n = self.num_prompt
         q, k, v = project_qkv(model, index, h, positions)
+        hit = self.prefix is not None and index < self.prefix.layers
+        if hit:
+            # The cached rows first (positions 0..p-1), then the new ones: the layer stays sorted.
+            cached = torch.arange(self.prefix.tokens, device=model.device)
+            prefix_k, prefix_v = self.prefix.k[index : index + 1], self.prefix.v[index : index + 1]
+            cache.write(index, cached, prefix_k.to(model.device), prefix_v.to(model.device), computed=False)
         cache.write(index, positions, k, v)
-        cache.kept_per_layer.append(positions.shape[0])
-        written, aux_positions, aux_hidden, window = positions, positions[:0], h[:0], None
+        layer_kv = cache.layers[index]
+        keys, values, key_positions = (layer_kv.k, layer_kv.v, layer_kv.positions) if hit else (k, v, positions)
+        cache.kept_per_layer.append(key_positions.shape[0])
+        written, aux_positions, aux_hidden, window = key_positions, positions[:0], h[:0], None
         if index == model.spec.num_layers - 1:
             # Only the last row's output is used: the others need KV here, not attention or MLP.
-            h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], k, v))
+            h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], keys, values))
             self.logits = logits_of(model, h)[0]
         else:
-            h = finish(model, index, h, attend(model, q, k, v, is_causal=True))
+            if hit:  # the new rows over the cached keys and their own, causally by position
+                mask = key_positions[None, :] <= positions[:, None]
+                h = finish(model, index, h, attend(model, q, keys, values, mask=mask))
+            else:
+                h = finish(model, index, h, attend(model, q, k, v, is_causal=True))
+            if hit and index == self.prefix.layers - 1:
+                # Leaving the last shared layer: the cached tokens rejoin from their stored states.
+                h = torch.cat([self.prefix.hidden.to(model.device), h])
+                positions = key_positions
+            if self.keep_boundary and index == self.held - 1:
+                self.boundary = h
             keep = config.keep_at(index) if config.enabled else None
             if keep is not None:
                 w = config.window
                 attention = None
                 if self.scorer.needs_attention:
-                    attention = window_scores(model, q[:, :, -w:], k, None, positions[-w:], positions)
+                    attention = window_scores(model, q[:, :, -w:], keys, None, positions[-w:], key_positions)
                 scores = self.scorer.score(ScoreInputs(index, positions, attention))
                 chosen = select(config, keep, scores, positions, n, mass=attention)
                 if config.reselects and w > 1:
@@ -110,8 +149,25 @@ class PrefillRun:
         self.positions, self.h = positions, h
         self.layer += 1
         if self.on_layer is not None:
-            self.on_layer(LayerFrame(index, written, k, v, aux_positions, aux_hidden, window))
-        return written.shape[0]
+            self.on_layer(LayerFrame(index, written, keys, values, aux_positions, aux_hidden, window))
+        return k.shape[2]
+
+    def shared_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What a prefix cache keeps of this prompt, once the run is done: K and V of every prompt
+        token at the shared layers [held, Hkv, n, D] and, when not every layer is shared, their
+        hidden states leaving the last shared one [n, hidden] (the run needs keep_boundary)."""
+        if not self.done:
+            raise RuntimeError("a prefill's shared rows exist once it has run")
+        layers = self.cache.layers[: self.held]
+        hidden = None
+        if self.held < self.model.spec.num_layers:
+            if self.boundary is None:
+                raise RuntimeError("shared_rows needs PrefillRun(..., keep_boundary=True)")
+            hidden = self.boundary
+        n = self.num_prompt
+        k = torch.cat([layer.k[:, :, :n] for layer in layers])
+        v = torch.cat([layer.v[:, :, :n] for layer in layers])
+        return k, v, hidden
 
 
 def prefill(
