@@ -32,6 +32,13 @@ def long_text_ids(tokenizer, length: int, vocab_size: int | None = None) -> torc
     return torch.tensor(ids[:length])
 
 
+def add_dtypes_argument(parser, help_text: str) -> None:
+    """--dtypes: the dtypes a benchmark runs side by side in one run, float32 first (the anchor)."""
+    from shared.models.precision import DTYPE_CHOICES
+
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, default=["float32", "bfloat16"], help=help_text)
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]

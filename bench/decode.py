@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import markdown_table, reference_text, write_json
+from bench.common import add_dtypes_argument, markdown_table, reference_text, write_json
 
 
 def _prompts(tokenizer, count: int, length: int) -> list[torch.Tensor]:
@@ -239,8 +239,6 @@ def across_dtypes(runs: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.models.precision import DTYPE_CHOICES
-
     parser = argparse.ArgumentParser(prog="lazyserve bench decode", description=__doc__)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
@@ -249,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", nargs="+", default=["off", "default"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--dtypes", nargs="+", choices=DTYPE_CHOICES, default=["float32", "bfloat16"], help="side by side in one run"
-    )
+    add_dtypes_argument(parser, "side by side in one run; ratios are over the first")
     parser.add_argument("--out", default="out/bench_decode.json")
     args = parser.parse_args(argv)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import long_text_ids, markdown_table, write_json
+from bench.common import add_dtypes_argument, long_text_ids, markdown_table, write_json
 
 
 class PeakRSS:
@@ -142,6 +142,7 @@ def bench_dtype(args, dtype: str) -> dict:
     if args.pruning:
         configs["custom"] = PruneConfig.model_validate_json(args.pruning)
     report = {
+        "model": loaded.name,
         "dtype": loaded.dtype_choice.dtype,
         "dtype_reason": loaded.dtype_choice.reason,
         "pruning": {name: config.model_dump() for name, config in configs.items()},
@@ -235,19 +236,13 @@ def across_dtypes(runs: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.models.precision import DTYPE_CHOICES
-
     parser = argparse.ArgumentParser(prog="lazyserve bench ttft", description=__doc__)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--dtypes",
-        nargs="+",
-        choices=DTYPE_CHOICES,
-        default=["float32", "bfloat16"],
-        help="dtypes side by side in one run, each with transformers at the same dtype; ratios are over the first",
+    add_dtypes_argument(
+        parser, "side by side in one run, each with transformers at its dtype; ratios are over the first"
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--decode-prompt", type=int, default=2048)
@@ -269,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(["decode"] + [f"{across['decode_over_first_full'][n]:.2f}x" for n in names])
         print(markdown_table(["tokens", *names], rows))
     report = {
-        "model": runs[0].get("model", args.model),
+        "model": runs[0]["model"],
         "device": args.device,
         "threads": args.threads,
         "runs": runs,

@@ -129,13 +129,13 @@ def cmd_bench(args, rest: list[str]) -> int:
     return module.main(rest)
 
 
-def add_dtype_flag(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
     from shared.models.precision import DTYPE_CHOICES
 
     parser.add_argument(
         "--dtype",
         choices=DTYPE_CHOICES,
-        default=default,
+        default=None,  # unset: the settings decide (LAZYSERVE_DTYPE, else auto)
         help="the model's dtype (LAZYSERVE_DTYPE; default auto: bfloat16 on CUDA and on CPUs with AMX or "
         "AVX512-BF16, float32 elsewhere)",
     )

@@ -29,7 +29,7 @@ from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
 from shared.net.telemetry import extract_context, tracer
-from shared.transfer import FrameError, TransferAssembler, dtype_name, payload_bytes, stats_to_pb
+from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             transfers_rejected=counters.rejected,
             transfers_expired=counters.expired,
             revived_token_layers=self.scheduler.revived_token_layers,
-            dtype=dtype_name(self.model.dtype),
+            dtype=self.model.dtype_name,
             device=str(self.model.device),
             torch_threads=torch.get_num_threads(),
         )

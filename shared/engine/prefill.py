@@ -77,7 +77,7 @@ class PrefillRun:
         self.scorer = scorer_for(self.config)
         start = 0 if prefix is None else prefix.tokens
         self.positions = torch.arange(start, n, device=model.device)  # the live set computed, sorted
-        self.ids = ids
+        self.ids = ids[start:]  # the tokens this run computes from layer 0
         self.h: torch.Tensor | None = None  # [live, hidden]; embedded at the first step
         self.layer = 0
         self.logits: torch.Tensor | None = None  # [vocab], once the last layer has run
@@ -102,7 +102,7 @@ class PrefillRun:
             raise RuntimeError("the prefill has finished")
         model, cache, config, index = self.model, self.cache, self.config, self.layer
         if self.h is None:
-            self.h = model.embed_tokens(self.ids[self.positions.cpu()].to(model.device))
+            self.h = model.embed_tokens(self.ids.to(model.device))
         positions, h = self.positions, self.h
         n = self.num_prompt
         q, k, v = project_qkv(model, index, h, positions)

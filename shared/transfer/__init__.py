@@ -14,14 +14,13 @@ from shared.contract.wire import (
 )
 from shared.transfer.assembler import Assembled, TransferAssembler
 from shared.transfer.frames import DEFAULT_FRAME_BYTES, end_message, frame_messages, header_message, payload_bytes
-from shared.transfer.tensors import FrameError, dtype_name
+from shared.transfer.tensors import FrameError
 
 __all__ = [
     "DEFAULT_FRAME_BYTES",
     "Assembled",
     "FrameError",
     "TransferAssembler",
-    "dtype_name",
     "end_message",
     "frame_messages",
     "header_message",
