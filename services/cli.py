@@ -23,7 +23,10 @@ def _load_llm(settings):
     from shared.models.weights import load_model
 
     loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir)
-    return LLM(loaded, default_preset=settings.pruning_preset)
+    from shared.engine import PrefixReuse
+
+    prefix = PrefixReuse.configured(loaded.engine, loaded.name, settings)
+    return LLM(loaded, default_preset=settings.pruning_preset, prefix=prefix)
 
 
 def cmd_run_batch(args) -> int:
@@ -42,7 +45,7 @@ def cmd_run_batch(args) -> int:
 
 
 def _engine_overrides(args) -> dict:
-    names = ("model", "threads", "dtype", "device")
+    names = ("model", "threads", "dtype", "device", "enable_prefix_caching", "prefix_cache_bytes")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -93,6 +96,8 @@ def cmd_up(args) -> int:
             prefill_port=args.prefill_port,
             threads=args.threads,
             dtype=args.dtype,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_cache_bytes=args.prefix_cache_bytes,
             local_threshold=args.local_threshold,
             pruning_preset=args.pruning,
             api_keys=args.api_key or [],
@@ -141,6 +146,23 @@ def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefix_cache_flags(parser: argparse.ArgumentParser, budget: bool = True) -> None:
+    """vLLM's flag pair: on unless turned off (LAZYSERVE_ENABLE_PREFIX_CACHING)."""
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the shared layers of a prompt's cached start (on by default; LAZYSERVE_ENABLE_PREFIX_CACHING)",
+    )
+    if not budget:  # the gateway holds no cache: it only routes by the workers'
+        return
+    parser.add_argument(
+        "--prefix-cache-bytes",
+        default=None,
+        help="memory each worker's prefix cache may hold, e.g. 2GiB (LAZYSERVE_PREFIX_CACHE_BYTES; default 2GiB)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazyserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--model", default=None, help="model name or local checkpoint folder")
     batch.add_argument("--threads", type=int, default=None)
     add_dtype_flag(batch)
+    add_prefix_cache_flags(batch)
     batch.add_argument("--compare", action="store_true", help="also run unpruned and print both side by side")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -166,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         service.add_argument("--model", default=None, help="model name or local checkpoint folder")
         service.add_argument("--threads", type=int, default=None, help="torch threads (default: every core here)")
         add_dtype_flag(service)
+        add_prefix_cache_flags(service)
         service.add_argument("--host", default=None)
         service.add_argument("--port", type=int, default=None, help="0 picks a free port")
     prefill.add_argument("--num-actors", type=int, default=None)
@@ -187,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads of each worker (default: every core of this host, shared by prefill and decode)",
     )
     add_dtype_flag(stack)
+    add_prefix_cache_flags(stack)
     stack.add_argument("--host", default="127.0.0.1", help="the gateway's address (0.0.0.0: every interface)")
     stack.add_argument("--port", type=int, default=8000, help="the gateway's port")
     stack.add_argument("--api-key", action="append", default=None, help="an API key the gateway accepts (repeatable)")
@@ -218,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-threshold", type=int, default=None, help="prompts shorter than this skip the transfer"
     )
     gateway.add_argument("--redis-url", default=None, help="registered workers and shared load in Redis")
+    add_prefix_cache_flags(gateway, budget=False)
 
     certs = sub.add_parser("certs", help="write a development CA and certificate for mutual TLS between services")
     certs.add_argument("--out", default="certs", help="folder for ca.pem, cert.pem, key.pem")

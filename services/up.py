@@ -178,6 +178,8 @@ class UpOptions:
     prefill_port: int = 50071
     threads: int | None = None  # None: each worker sizes itself to the host's cores
     dtype: str | None = None  # None: LAZYSERVE_DTYPE, else auto
+    enable_prefix_caching: bool | None = None  # None: LAZYSERVE_ENABLE_PREFIX_CACHING, else on
+    prefix_cache_bytes: str | None = None  # each worker's; None: LAZYSERVE_PREFIX_CACHE_BYTES, else 2 GiB
     local_threshold: int | None = None
     pruning_preset: str | None = None
     api_keys: list[str] = field(default_factory=list)
@@ -192,7 +194,11 @@ def up(options: UpOptions) -> int:
         signal.signal(sig, lambda *_: stop.set())
     o = options
     common = (["--model", o.model] if o.model else []) + (["--threads", str(o.threads)] if o.threads else [])
+    if o.enable_prefix_caching is not None:  # the gateway too: it routes by what the workers cache
+        common.append("--enable-prefix-caching" if o.enable_prefix_caching else "--no-enable-prefix-caching")
     engine = common + (["--dtype", o.dtype] if o.dtype else [])  # the gateway loads no weights
+    if o.prefix_cache_bytes is not None:
+        engine += ["--prefix-cache-bytes", o.prefix_cache_bytes]
     try:
         with console.status("starting decode workers and prefill actors (the first start converts the model, ~30 s)"):
             decoders = [

@@ -30,6 +30,7 @@ from shared.engine import (
     EngineModel,
     Generation,
     PrefillRun,
+    PrefixReuse,
     SamplingParams,
     Stats,
     choice_decodings,
@@ -61,12 +62,22 @@ class Sequence:
     index: int = 0  # which choice of its request
     width: int = 1  # how many choices its request has
     family: list[Sequence] = field(default_factory=list)  # its request's choices by index, itself included
+    # For the prefix cache: the prompt, and the tenant it is cached under.
+    prompt_ids: list[int] = field(default_factory=list)
+    cache_salt: str = ""
 
     def __post_init__(self):
         self.family = self.family or [self]
 
     @classmethod
-    def resumed(cls, request_id: str, decodings: list[Decoding], first_tokens: list[int]) -> list[Sequence]:
+    def resumed(
+        cls,
+        request_id: str,
+        decodings: list[Decoding],
+        first_tokens: list[int],
+        prompt_ids: list[int] | None = None,
+        cache_salt: str = "",
+    ) -> list[Sequence]:
         """A transferred cache, one Decoding per choice: each first token was sampled by the prefill
         worker and sent already."""
         outbox, cancelled, family = queue.Queue(), threading.Event(), []
@@ -74,13 +85,23 @@ class Sequence:
             decoding.accept(token)
             sequence = cls(request_id, decoding.generation, decoding=decoding, outbox=outbox, cancelled=cancelled)
             sequence.index, sequence.width, sequence.family = index, len(decodings), family
+            sequence.prompt_ids, sequence.cache_salt = prompt_ids or [], cache_salt
             family.append(sequence)
         return family
 
     @classmethod
-    def local(cls, request_id: str, run: PrefillRun, params: SamplingParams) -> Sequence:
+    def local(cls, request_id: str, run: PrefillRun, params: SamplingParams, cache_salt: str = "") -> Sequence:
         """A prompt to prefill here; its other choices (params.n) join when the prefill is done."""
-        return cls(request_id, Generation(), prefill=run, params=params, width=params.n)
+        prompt_ids = run.prompt_ids.tolist()
+        return cls(
+            request_id,
+            Generation(),
+            prefill=run,
+            params=params,
+            width=params.n,
+            prompt_ids=prompt_ids,
+            cache_salt=cache_salt,
+        )
 
     @property
     def slots(self) -> int:
@@ -109,8 +130,12 @@ class Scheduler:
         max_batch_tokens: int = 2048,
         max_unsent: int = MAX_UNSENT_TOKENS,
         grammars: Grammars | None = None,
+        prefix: PrefixReuse | None = None,
     ):
         self.model, self.grammars = model, grammars  # grammars: for structured output
+        # The prefix cache: a local prefill leaves its prompt there, a finished sequence its
+        # prompt and answer (the next turn of the conversation starts with them).
+        self.prefix = prefix
         self.max_sequences, self.max_unsent = max_sequences, max_unsent
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self.revived_token_layers = 0  # over finished sequences
@@ -206,12 +231,22 @@ class Scheduler:
             return
         if not run.done:
             return
+        if self.prefix is not None:
+            self._cache_safely(lambda: self.prefix.finish(run), sequence)
         stats = Stats()
         fill_prefill_stats(stats, run.cache, time.perf_counter() - sequence.prefill_started)
         # Every choice decodes from the one prefill and joins the batch from here.
-        decodings = choice_decodings(run.cache, run.config, sequence.params, run.ids.tolist(), self.grammars, stats)
+        decodings = choice_decodings(run.cache, run.config, sequence.params, sequence.prompt_ids, self.grammars, stats)
         siblings = [sequence] + [
-            Sequence(sequence.request_id, d.generation, outbox=sequence.outbox, cancelled=sequence.cancelled, index=i)
+            Sequence(
+                sequence.request_id,
+                d.generation,
+                outbox=sequence.outbox,
+                cancelled=sequence.cancelled,
+                index=i,
+                prompt_ids=sequence.prompt_ids,
+                cache_salt=sequence.cache_salt,
+            )
             for i, d in enumerate(decodings[1:], start=1)
         ]
         for sibling, decoding in zip(siblings, decodings):
@@ -254,5 +289,25 @@ class Scheduler:
         if sequence.decoding is not None:
             sequence.decoding.close(self.model.spec.num_layers)
             self.revived_token_layers += sequence.generation.stats.revived_token_layers
+        if self.prefix is not None:
+            if sequence.prefill is not None:  # a local prefill that did not finish: unpin its hit
+                self.prefix.abandon(sequence.prefill)
+            elif sequence.decoding is not None and kind == DONE:
+                self._cache_safely(lambda: self._remember(sequence), sequence)
         sequence.prefill = None
         sequence.outbox.put((kind, sequence.index, detail))
+
+    def _remember(self, sequence: Sequence) -> None:
+        """A finished sequence's prompt and answer (the tokens fed to the model) go to the prefix
+        cache: the next turn of its conversation starts with them."""
+        decoding = sequence.decoding
+        ids = sequence.prompt_ids + decoding.generation.tokens
+        self.prefix.remember(decoding.cache, ids, decoding.config, sequence.cache_salt)
+
+    @staticmethod
+    def _cache_safely(action, sequence: Sequence) -> None:
+        """Caching is an optimization: a failure there is logged and the request goes on."""
+        try:
+            action()
+        except Exception:
+            log.exception("prefix caching for %s failed; the request is not affected", sequence.request_id)

@@ -24,7 +24,7 @@ from services.decode.settings import DecodeSettings
 from services.decode.transfers import TransferTable
 from shared.contract import preset
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
-from shared.engine import PrefillRun, PruneConfig, Sampled, Sampler, SamplingParams, choice_decodings
+from shared.engine import PrefillRun, PrefixReuse, PruneConfig, Sampled, Sampler, SamplingParams, choice_decodings
 from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
@@ -40,12 +40,16 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, loaded: LoadedModel, settings: DecodeSettings):
         self.loaded, self.model = loaded, loaded.engine
         self.transfers = TransferTable(settings.max_transfers, settings.transfer_timeout_s, settings.claim_timeout_s)
+        self.prefix = PrefixReuse.configured(
+            loaded.engine, loaded.name, settings.engine
+        )  # None: --no-enable-prefix-caching
         self.scheduler = Scheduler(
             self.model,
             settings.max_sequences,
             settings.max_batch_size,
             settings.max_batch_tokens,
             grammars=loaded.grammars,
+            prefix=self.prefix,
         )
         # For a prompt that names no pruning (the router always names one).
         self.default_pruning = preset(settings.engine.pruning_preset, loaded.engine.spec.num_layers)
@@ -178,7 +182,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 )
             except GrammarError as error:
                 raise InvalidArgument(f"sampling.grammar: {error}") from None
-            return Sequence.resumed(request_id, decodings, assembled.first_tokens)
+            if self.prefix is not None:  # now, not when it finishes: the next question may come first
+                self._remember_transfer(assembled, request.cache_salt)
+            return Sequence.resumed(
+                request_id, decodings, assembled.first_tokens, assembled.prompt_ids, request.cache_salt
+            )
         if source == "prompt":
             ids, config, params = self._local_request(request.prompt)
             if params.grammar is not None:  # checked here: on the engine thread a failure would hit the batch
@@ -187,9 +195,18 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 except GrammarError as error:
                     raise InvalidArgument(f"sampling.grammar: {error}") from None
             # Prefilled here, a layer at a time between decode steps, on the engine thread.
-            run = PrefillRun(self.model, ids, config, reserve=params.max_new_tokens)
-            return [Sequence.local(request_id, run, params)]
+            if self.prefix is None:
+                run = PrefillRun(self.model, ids, config, reserve=params.max_new_tokens)
+            else:
+                run = self.prefix.start(ids, config, request.cache_salt, reserve=params.max_new_tokens)
+            return [Sequence.local(request_id, run, params, request.cache_salt)]
         raise InvalidArgument("GenerateRequest needs a transfer_id or a prompt")
+
+    def _remember_transfer(self, assembled, salt: str) -> None:
+        try:
+            self.prefix.remember(assembled.cache, assembled.prompt_ids, assembled.config, salt)
+        except Exception:  # an optimization: the request goes on without it
+            log.exception("caching a transferred prompt failed; the request is not affected")
 
     def _local_request(self, prompt: pb.LocalPrompt) -> tuple[torch.Tensor, PruneConfig, SamplingParams]:
         pruning = prompt.pruning if prompt.HasField("pruning") else self.default_pruning
@@ -213,7 +230,20 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             dtype=self.model.dtype_name,
             device=str(self.model.device),
             torch_threads=torch.get_num_threads(),
+            **self._prefix_status(),
         )
+
+    def _prefix_status(self) -> dict:
+        if self.prefix is None:
+            return {}
+        cache = self.prefix.cache
+        return {
+            "prefix_queried_tokens": self.prefix.queried_tokens,
+            "prefix_hit_tokens": self.prefix.hit_tokens,
+            "prefix_bytes_held": cache.bytes_held,
+            "prefix_evictions": cache.evictions,
+            "prefix_budget_bytes": cache.budget_bytes,
+        }
 
     def close(self) -> None:
         self.scheduler.close()

@@ -22,7 +22,7 @@ from services.prefill.sender import KVSender, SenderFactory
 from services.prefill.settings import PrefillSettings
 from shared.contract import preset
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
-from shared.engine import Sampler, Stats, fill_prefill_stats, prefill
+from shared.engine import PrefixReuse, Sampler, Stats, fill_prefill_stats, prefill
 from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, start_serving
@@ -47,6 +47,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.sender = sender  # how a transfer reaches its decode worker
         self.auth = settings.internal_auth()  # its channels to decode workers use the same credentials
         self.counters = PrefillCounters()
+        # What it prefills, for the next prompt that starts the same (None: --no-enable-prefix-caching).
+        self.prefix = PrefixReuse.configured(loaded.engine, loaded.name, settings.engine)
         self._slots = threading.Semaphore(settings.max_concurrent_prefills)
         # For a request that names no pruning (the router always names one).
         self.default_pruning = preset(settings.engine.pruning_preset, self.model.spec.num_layers)
@@ -72,6 +74,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 self._slots.release()
             stats = reply.stats
             span.set_attribute("lazyserve.prefill_s", stats.ttft_s)
+            span.set_attribute("lazyserve.cached_tokens", stats.cached_tokens)
             span.set_attribute("lazyserve.prefill_token_layers", stats.prefill_token_layers)
             span.set_attribute("lazyserve.computed_fraction", stats.prefill_token_layers / max(1, n * spec.num_layers))
             span.set_attribute("lazyserve.kept_fraction_per_layer", [k / n for k in stats.kept_per_layer])
@@ -110,7 +113,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             except GrammarError as error:
                 raise InvalidArgument(f"sampling.grammar: {error}") from None
             start = time.perf_counter()
-            cache, logits = prefill(self.model, ids, config, on_layer=on_layer)
+            if self.prefix is None:
+                cache, logits = prefill(self.model, ids, config, on_layer=on_layer)
+            else:
+                run = self.prefix.prefill(ids, config, request.cache_salt, on_layer=on_layer)
+                cache, logits = run.cache, run.logits
+                del run
             stats = Stats()
             fill_prefill_stats(stats, cache, time.perf_counter() - start)
             del cache  # the decode worker gets its own copy; this one is not needed past here
@@ -152,6 +160,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             bytes_sent=sender.bytes_sent,
             transfer_wait_s=waited,
             first_logprobs=[logprobs_to_pb(first) for first in firsts if first.logprob is not None],
+            prefix_bytes_held=0 if self.prefix is None else self.prefix.cache.bytes_held,
+            prefix_evictions=0 if self.prefix is None else self.prefix.cache.evictions,
         )
 
 

@@ -231,6 +231,7 @@ class JobGroup:
             each[0],
             prompt_tokens=sum(stats.prompt_tokens for stats in each),
             completion_tokens=sum(stats.completion_tokens for stats in each),
+            cached_tokens=sum(stats.cached_tokens for stats in each),
         )
 
     @property

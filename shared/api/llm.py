@@ -17,16 +17,17 @@ from shared.api.schemas import ChatCompletion, TextCompletion
 from shared.api.serving import Output, RequestError, build_response, parse_request, prepare_all
 from shared.engine import (
     Generation,
+    PrefixReuse,
     PruneConfig,
     Sampler,
     SamplingParams,
     Stats,
     choice_decodings,
     fill_prefill_stats,
-    prefill,
     run_decoding,
     stream,
 )
+from shared.engine.generate import prefill_cached
 from shared.models.text import Detokenizer, TextModel
 from shared.models.weights import LoadedModel
 
@@ -43,13 +44,14 @@ class Completion:
 
 
 class LLM(TextModel):
-    def __init__(self, loaded: LoadedModel, default_preset: str = "default"):
+    def __init__(self, loaded: LoadedModel, default_preset: str = "default", prefix: PrefixReuse | None = None):
         if loaded.tokenizer is None:
             raise ValueError(f"model {loaded.name} has no tokenizer; text requests need one")
         super().__init__(loaded.name, loaded.tokenizer, loaded.engine.spec, loaded.stop_token_ids, default_preset)
         self.loaded = loaded
         self.engine = loaded.engine
         self.formatter = LogprobFormatter(loaded.tokenizer)
+        self.prefix = prefix  # a prefix cache: a batch's lines that share a document prefill it once
 
     def stream_text(
         self,
@@ -62,7 +64,7 @@ class LLM(TextModel):
         """Yield text deltas as tokens come (one choice); `completion` holds the final text and stats."""
         completion = completion if completion is not None else Completion()
         sampler = Sampler(sampling, prompt_ids=ids, grammars=self.loaded.grammars)
-        tokens = stream(self.engine, ids, pruning, sampling, completion.generation, sampler)
+        tokens = stream(self.engine, ids, pruning, sampling, completion.generation, sampler, self.prefix)
         yield from _read(tokens, Detokenizer(self.tokenizer, stop), completion)
 
     def complete(self, ids, sampling, pruning, stop=None) -> Completion:
@@ -75,7 +77,7 @@ class LLM(TextModel):
         pruning.check_for(self.engine.spec.num_layers)
         start = time.perf_counter()
         ids_t = torch.as_tensor(ids, dtype=torch.long)
-        cache, logits = prefill(self.engine, ids_t, pruning, reserve=sampling.max_new_tokens)
+        cache, logits = prefill_cached(self.engine, ids_t, pruning, sampling.max_new_tokens, self.prefix)
         stats = Stats()
         fill_prefill_stats(stats, cache, time.perf_counter() - start)
         completions = []
@@ -109,7 +111,7 @@ def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
     request = parse_request(url, body)
     if request.stream:
         raise RequestError(400, "stream is not available here", param="stream")
-    outputs, stats = [], []
+    outputs, stats, cached = [], [], 0
     all_prepared = prepare_all(llm, request)
     for prepared in all_prepared:  # each prompt of a list, each with its n choices
         completions = llm.complete_choices(prepared.ids, prepared.sampling, prepared.pruning, prepared.stop)
@@ -118,9 +120,11 @@ def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
             for c in completions
         ]
         stats += [c.generation.stats for c in completions]
+        cached += completions[0].generation.stats.cached_tokens  # one prefill serves its choices
     total = dataclasses.replace(
         stats[0],
         prompt_tokens=sum(len(prepared.ids) for prepared in all_prepared),
         completion_tokens=sum(item.completion_tokens for item in stats),
+        cached_tokens=cached,
     )
     return build_response(llm.name, request, all_prepared[0], outputs, total, llm.formatter)

@@ -244,10 +244,15 @@ class CompletionRequest(_Request):
         return self.max_tokens
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose shared layers came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class Metrics(BaseModel):
@@ -266,6 +271,7 @@ class Metrics(BaseModel):
     kept_per_layer: list[int]
     kv_cache_bytes: int
     aux_cache_bytes: int
+    cached_tokens: int
     pruning: str
 
 

@@ -20,6 +20,7 @@ from shared.api.schemas import (
     CompletionChoice,
     CompletionRequest,
     Metrics,
+    PromptTokensDetails,
     ResponseFormat,
     TextCompletion,
     Usage,
@@ -234,6 +235,7 @@ def usage_of(stats: Stats) -> Usage:
         prompt_tokens=stats.prompt_tokens,
         completion_tokens=stats.completion_tokens,
         total_tokens=stats.prompt_tokens + stats.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.cached_tokens),
     )
 
 

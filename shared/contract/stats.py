@@ -19,6 +19,8 @@ class Stats:
     kept_per_layer: list[int] = field(default_factory=list)
     kv_cache_bytes: int = 0
     aux_cache_bytes: int = 0
+    # Prompt tokens whose shared layers came from a prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
+    cached_tokens: int = 0
 
     @property
     def computed_fraction(self) -> float:

@@ -20,6 +20,7 @@ from shared.engine.model import EngineModel
 from shared.engine.prefill import LayerFrame, PrefillRun, prefill
 from shared.engine.prefix import PrefixCache, PrefixHit, block_keys, held_layers, namespace
 from shared.engine.pruning import select
+from shared.engine.reuse import PrefixReuse
 from shared.engine.sampling import Sampled, Sampler, sample
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "PrefillRun",
     "PrefixCache",
     "PrefixHit",
+    "PrefixReuse",
     "PruneConfig",
     "QueryWindow",
     "Sampled",

@@ -116,6 +116,41 @@ class QueryWindow:
         return QueryWindow(torch.cat([self.positions, position])[-size:], torch.cat([self.q, q], dim=2)[:, :, -size:])
 
 
+class BoundaryStates:
+    """Hidden states leaving one layer (the last a prefix cache holds), per position: what a later
+    prompt with the same prefix rejoins from. Prefill writes the prompt's rows, decode each new
+    token's, so a finished sequence's prompt and answer can both be cached. Grows like LayerKV."""
+
+    def __init__(self, layer: int, hidden_size: int, dtype: torch.dtype, device: torch.device, capacity: int):
+        self.layer = layer
+        self.hidden = torch.empty(capacity, hidden_size, dtype=dtype, device=device)
+        self.filled = torch.zeros(capacity, dtype=torch.bool, device=device)
+
+    def write(self, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        if positions.shape[0] == 0:
+            return
+        end = int(positions.max()) + 1
+        if end > self.filled.shape[0]:
+            capacity = max(end, 2 * self.filled.shape[0])
+            grown = self.hidden.new_empty(capacity, self.hidden.shape[1])
+            grown[: self.filled.shape[0]] = self.hidden
+            filled = self.filled.new_zeros(capacity)
+            filled[: self.filled.shape[0]] = self.filled
+            self.hidden, self.filled = grown, filled
+        self.hidden[positions] = hidden
+        self.filled[positions] = True
+
+    def rows(self, count: int) -> torch.Tensor:
+        """The states of positions 0..count-1 [count, hidden]; every one must have been written."""
+        if count > self.filled.shape[0] or not bool(self.filled[:count].all()):
+            raise InvariantError(f"hidden states leaving layer {self.layer} are missing for some of {count} tokens")
+        return self.hidden[:count]
+
+    @property
+    def nbytes(self) -> int:
+        return self.hidden.numel() * self.hidden.element_size()
+
+
 @dataclass
 class LazyCache:
     spec: ModelSpec
@@ -131,6 +166,8 @@ class LazyCache:
     kept_per_layer: list[int] = field(default_factory=list)
     # Per stage layer, the query window of a `lazy` schedule with window > 1.
     windows: dict[int, QueryWindow] = field(default_factory=dict)
+    # With a prefix cache: the states leaving its last shared layer (None when not kept).
+    boundary: BoundaryStates | None = None
 
     @classmethod
     def empty(cls, spec: ModelSpec, num_prompt: int, extra: int, dtype, device) -> LazyCache:
@@ -205,14 +242,33 @@ class LazyCache:
             grown[: self.depth.shape[0]] = self.depth
             self.depth = grown
 
+    def shared_rows(self, layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What a prefix cache keeps of every token held here (prompt and fed generated tokens):
+        K and V at layers 0..layers-1 [layers, Hkv, length, D] and, when that is not every layer,
+        the hidden states leaving the last of them [length, hidden] (`boundary` must hold them)."""
+        n = self.length
+        expected = torch.arange(n, device=self.depth.device)
+        for index, layer in enumerate(self.layers[:layers]):
+            if layer.size != n or not torch.equal(layer.positions, expected):
+                raise InvariantError(f"layer {index} does not hold every token in order: it cannot be shared")
+        hidden = None
+        if layers < self.spec.num_layers:
+            if self.boundary is None or self.boundary.layer != layers - 1:
+                raise InvariantError(f"no hidden states kept leaving layer {layers - 1}")
+            hidden = self.boundary.rows(n)
+        k = torch.cat([layer.k for layer in self.layers[:layers]])
+        v = torch.cat([layer.v for layer in self.layers[:layers]])
+        return k, v, hidden
+
     @property
     def kv_bytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
     @property
     def held_bytes(self) -> int:
-        """Memory this cache holds: K/V buffers with their room, and the Aux Cache."""
-        return sum(layer.allocated_bytes for layer in self.layers) + self.aux_bytes
+        """Memory this cache holds: K/V buffers with their room, the Aux Cache and kept states."""
+        boundary = 0 if self.boundary is None else self.boundary.nbytes
+        return sum(layer.allocated_bytes for layer in self.layers) + self.aux_bytes + boundary
 
     @property
     def aux_bytes(self) -> int:

@@ -144,6 +144,9 @@ def decode_batch(model: EngineModel, batch: Sequence[tuple[LazyCache, int, Prune
         h = finish(model, index, h, out)
         for seq, rows_h in zip(seqs, h.split(sizes)):
             seq.h = rows_h
+            boundary = seq.cache.boundary
+            if boundary is not None and boundary.layer == index:  # for the prefix cache
+                boundary.write(seq.rows, rows_h)
             seq.reselect(index)
     raise RuntimeError("unreachable: the last layer returns")
 

@@ -17,6 +17,7 @@ from shared.engine.cache import LazyCache
 from shared.engine.decode import decode_step
 from shared.engine.model import EngineModel
 from shared.engine.prefill import prefill
+from shared.engine.reuse import PrefixReuse
 from shared.engine.sampling import Sampled, Sampler
 
 
@@ -164,7 +165,18 @@ def fill_prefill_stats(stats: Stats, cache: LazyCache, ttft_s: float) -> None:
     stats.prompt_tokens = cache.num_prompt
     stats.prefill_token_layers = cache.computed_token_layers
     stats.kept_per_layer = list(cache.kept_per_layer)
+    stats.cached_tokens = cache.cached_tokens
     fill_cache_stats(stats, cache, cache.spec.num_layers)
+
+
+def prefill_cached(
+    model: EngineModel, ids: torch.Tensor, config: PruneConfig, reserve: int, prefix: PrefixReuse | None
+) -> tuple[LazyCache, torch.Tensor]:
+    """`prefill`, from (and into) a prefix cache when there is one."""
+    if prefix is None:
+        return prefill(model, ids, config, reserve=reserve)
+    run = prefix.prefill(ids, config, reserve=reserve)
+    return run.cache, run.logits
 
 
 def stream(
@@ -174,13 +186,15 @@ def stream(
     params: SamplingParams,
     generation: Generation,
     sampler: Sampler | None = None,
+    prefix: PrefixReuse | None = None,
 ) -> Iterator[int]:
     """Prefill `ids` and yield generated tokens; `generation` is filled in as it goes.
-    sampler: one built with the model's grammars, for structured output."""
+    sampler: one built with the model's grammars, for structured output; prefix: a prefix cache
+    to start from and to leave the prompt in."""
     ids = torch.as_tensor(ids, dtype=torch.long)
     config.check_for(model.spec.num_layers)
     start = time.perf_counter()
-    cache, logits = prefill(model, ids, config, reserve=params.max_new_tokens)
+    cache, logits = prefill_cached(model, ids, config, params.max_new_tokens, prefix)
     fill_prefill_stats(generation.stats, cache, time.perf_counter() - start)
     yield from decode_tokens(model, cache, logits, config, params, generation, sampler, prompt_ids=ids)
 

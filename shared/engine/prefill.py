@@ -15,12 +15,13 @@ this prompt's own query window, as without the cache.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from shared.engine.cache import LazyCache, QueryWindow
+from shared.engine.cache import BoundaryStates, LazyCache, QueryWindow
 from shared.engine.layer import attend, finish, logits_of, project_qkv, window_scores
 from shared.engine.model import EngineModel
 from shared.engine.prefix import PrefixHit, held_layers
@@ -38,6 +39,11 @@ class LayerFrame:
     aux_positions: torch.Tensor  # [a]
     aux_hidden: torch.Tensor  # [a, hidden]
     window: QueryWindow | None = None  # at a stage layer of a lazy schedule with window > 1
+    # Leaving the last layer a prefix cache holds, when the run keeps it: the hidden states of the
+    # tokens that went on deeper (those that stopped are in aux_hidden), so that a receiver holds
+    # every prompt token's state there and can cache the prompt too.
+    boundary_positions: torch.Tensor | None = None  # [b]
+    boundary_hidden: torch.Tensor | None = None  # [b, hidden]
 
 
 class PrefillRun:
@@ -77,14 +83,18 @@ class PrefillRun:
         self.scorer = scorer_for(self.config)
         start = 0 if prefix is None else prefix.tokens
         self.positions = torch.arange(start, n, device=model.device)  # the live set computed, sorted
+        self.prompt_ids = ids
         self.ids = ids[start:]  # the tokens this run computes from layer 0
+        self.prefix_keys: list[bytes] = []  # set by a PrefixReuse: the prompt's block keys
         self.h: torch.Tensor | None = None  # [live, hidden]; embedded at the first step
         self.layer = 0
         self.logits: torch.Tensor | None = None  # [vocab], once the last layer has run
-        # With keep_boundary, the hidden states of every prompt token leaving layer held - 1
-        # [n, hidden] (what a prefix cache entry keeps); None while not reached or not asked.
+        # With keep_boundary, the cache keeps every token's hidden state leaving layer held - 1
+        # (what a prefix cache entry holds besides K/V); decode adds the generated tokens'.
         self.keep_boundary = keep_boundary and held < model.spec.num_layers
-        self.boundary: torch.Tensor | None = None
+        if self.keep_boundary:
+            spec = model.spec
+            self.cache.boundary = BoundaryStates(held - 1, spec.hidden_size, model.dtype, model.device, n + reserve)
 
     @property
     def done(self) -> bool:
@@ -117,6 +127,7 @@ class PrefillRun:
         keys, values, key_positions = (layer_kv.k, layer_kv.v, layer_kv.positions) if hit else (k, v, positions)
         cache.kept_per_layer.append(key_positions.shape[0])
         written, aux_positions, aux_hidden, window = key_positions, positions[:0], h[:0], None
+        boundary_here = self.keep_boundary and index == self.held - 1
         if index == model.spec.num_layers - 1:
             # Only the last row's output is used: the others need KV here, not attention or MLP.
             h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], keys, values))
@@ -131,8 +142,8 @@ class PrefillRun:
                 # Leaving the last shared layer: the cached tokens rejoin from their stored states.
                 h = torch.cat([self.prefix.hidden.to(model.device), h])
                 positions = key_positions
-            if self.keep_boundary and index == self.held - 1:
-                self.boundary = h
+            if boundary_here:
+                cache.boundary.write(positions, h)
             keep = config.keep_at(index) if config.enabled else None
             if keep is not None:
                 w = config.window
@@ -149,7 +160,10 @@ class PrefillRun:
         self.positions, self.h = positions, h
         self.layer += 1
         if self.on_layer is not None:
-            self.on_layer(LayerFrame(index, written, keys, values, aux_positions, aux_hidden, window))
+            frame = LayerFrame(index, written, keys, values, aux_positions, aux_hidden, window)
+            if boundary_here:
+                frame = dataclasses.replace(frame, boundary_positions=positions, boundary_hidden=h)
+            self.on_layer(frame)
         return k.shape[2]
 
     def shared_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -158,16 +172,7 @@ class PrefillRun:
         hidden states leaving the last shared one [n, hidden] (the run needs keep_boundary)."""
         if not self.done:
             raise RuntimeError("a prefill's shared rows exist once it has run")
-        layers = self.cache.layers[: self.held]
-        hidden = None
-        if self.held < self.model.spec.num_layers:
-            if self.boundary is None:
-                raise RuntimeError("shared_rows needs PrefillRun(..., keep_boundary=True)")
-            hidden = self.boundary
-        n = self.num_prompt
-        k = torch.cat([layer.k[:, :, :n] for layer in layers])
-        v = torch.cat([layer.v[:, :, :n] for layer in layers])
-        return k, v, hidden
+        return self.cache.shared_rows(self.held)
 
 
 def prefill(

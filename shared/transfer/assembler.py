@@ -7,7 +7,9 @@ order, sorted unique positions inside the prompt, tensors of the model's dtype a
 correct checksum; a (token, layer) arrives at most once and only after the token's earlier
 layers; at the end, every token was computed at layer 0, the last token at every layer, and each
 token that stopped early sits in the Aux Cache of the layer it stopped after (so decode can
-revive it). A stage layer's query window, when sent, must be the model's query shape. Only then
+revive it). A stage layer's query window, when sent, must be the model's query shape. The hidden
+states of the tokens that went on past the prefix cache's last layer, when sent, must be at that
+layer and be exactly those tokens; with them the cache can be given to a prefix cache. Only then
 is the cache handed to decode.
 """
 
@@ -20,7 +22,8 @@ import torch
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from shared.contract.pruning import MAX_WINDOW
 from shared.contract.wire import check_token_ids, pruning_from_pb, sampling_from_pb, stats_from_pb
-from shared.engine import LazyCache, ModelSpec, PruneConfig, QueryWindow, SamplingParams, Stats
+from shared.engine import LazyCache, ModelSpec, PruneConfig, QueryWindow, SamplingParams, Stats, held_layers
+from shared.engine.cache import BoundaryStates
 from shared.transfer.tensors import FrameError, dtype_name, frame_checksum, positions_tensor, tensor_from_pb
 
 MAX_TRANSFER_ID = 128
@@ -58,6 +61,8 @@ class TransferAssembler:
         self.layer = 0
         self.num_frames = 0
         self.kept_at_layer = 0
+        self.boundary_layer: int | None = None  # where boundary rows came, if any
+        self.boundary: list[tuple[torch.Tensor, torch.Tensor]] = []  # (positions, hidden) pieces
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +122,8 @@ class TransferAssembler:
         cache.stash(frame.layer, aux_positions.to(self.device), hidden.to(self.device))
         if frame.query_positions:
             self._window(cache, frame)
+        if frame.boundary_positions:
+            self._boundary(frame)
         self.kept_at_layer += positions.shape[0]
         self.num_frames += 1
 
@@ -157,6 +164,8 @@ class TransferAssembler:
             )
         if any(state and (params.seed is None or len(state) != SAMPLER_STATE_BYTES) for state in end.sampler_states):
             raise FrameError(f"a sampler_state must be empty, or {SAMPLER_STATE_BYTES} bytes with a seed")
+        if self.boundary_layer is not None:
+            self._close_boundary(cache, config, params.max_new_tokens)
         # Room for the generated tokens now, on the receiving thread, not at the first decode steps.
         cache.reserve(params.max_new_tokens)
         return Assembled(
@@ -180,6 +189,37 @@ class TransferAssembler:
         shape = (1, spec.num_heads, positions.shape[0], spec.head_dim)
         q = tensor_from_pb(frame.queries, "queries", dtype_name(self.dtype), shape)
         cache.windows[frame.layer] = QueryWindow(positions.to(self.device), q.to(self.device).clone())
+
+    def _boundary(self, frame: pb.KVFrame) -> None:
+        if self.boundary_layer not in (None, frame.layer):
+            raise FrameError(f"boundary states at layer {frame.layer} after layer {self.boundary_layer}")
+        positions = positions_tensor(frame.boundary_positions)
+        _check_positions(positions, self.cache.num_prompt, "boundary_positions")
+        if self.boundary and int(positions[0]) <= int(self.boundary[-1][0][-1]):
+            raise FrameError("boundary_positions must increase across the frames of a layer")
+        shape = (positions.shape[0], self.spec.hidden_size)
+        hidden = tensor_from_pb(frame.boundary_hidden, "boundary_hidden", dtype_name(self.dtype), shape)
+        self.boundary_layer = frame.layer
+        self.boundary.append((positions, hidden))
+
+    def _close_boundary(self, cache: LazyCache, config: PruneConfig, extra: int) -> None:
+        """Every prompt token's state leaving the prefix cache's last layer: the Aux Cache holds
+        those that stopped there, the boundary rows those that went on."""
+        layer, n = self.boundary_layer, cache.num_prompt
+        if layer != held_layers(config, self.spec.num_layers) - 1:
+            raise FrameError(f"boundary states at layer {layer}; this schedule's prefix cache ends at another")
+        positions = torch.cat([piece[0] for piece in self.boundary])
+        went_on = (cache.depth[:n].cpu() > layer + 1).nonzero().flatten()
+        if not torch.equal(positions, went_on):
+            raise FrameError(
+                f"boundary states must be those of the {went_on.numel()} tokens that went past layer {layer}"
+            )
+        states = BoundaryStates(layer, self.spec.hidden_size, self.dtype, self.device, n + extra)
+        states.write(positions.to(self.device), torch.cat([piece[1] for piece in self.boundary]).to(self.device))
+        aux = cache.aux[layer]
+        states.write(aux.positions, aux.hidden)
+        cache.boundary = states
+        self.boundary = []
 
     def _started(self, transfer_id: str) -> LazyCache:
         if self.cache is None:

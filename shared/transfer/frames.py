@@ -44,8 +44,10 @@ def frame_messages(transfer_id: str, frame: LayerFrame, budget: int = DEFAULT_FR
     aux_row = hidden.shape[-1] * hidden.element_size()
     kv_chunks = _chunks(frame.positions.shape[0], kv_row, budget)
     aux_chunks = _chunks(frame.aux_positions.shape[0], aux_row, budget)
+    boundary = frame.boundary_positions
+    boundary_chunks = [] if boundary is None else _chunks(boundary.shape[0], aux_row, budget)
     messages = []
-    for index in range(max(len(kv_chunks), len(aux_chunks), 1)):
+    for index in range(max(len(kv_chunks), len(aux_chunks), len(boundary_chunks), 1)):
         a, b = kv_chunks[index] if index < len(kv_chunks) else (0, 0)
         c, d = aux_chunks[index] if index < len(aux_chunks) else (0, 0)
         wrapper = pb.TransferMessage()
@@ -60,6 +62,10 @@ def frame_messages(transfer_id: str, frame: LayerFrame, budget: int = DEFAULT_FR
         if index == 0 and frame.window is not None:
             message.query_positions[:] = frame.window.positions.tolist()
             fill_tensor(message.queries, frame.window.q)
+        if index < len(boundary_chunks):
+            e, f = boundary_chunks[index]
+            message.boundary_positions[:] = boundary[e:f].tolist()
+            fill_tensor(message.boundary_hidden, frame.boundary_hidden[e:f])
         message.crc32c = frame_checksum(message)
         messages.append(wrapper)
     return messages
@@ -90,8 +96,9 @@ def end_message(
 
 
 def payload_bytes(message: pb.TransferMessage) -> tuple[int, int]:
-    """(KV bytes, Aux bytes) of a frame message; (0, 0) for a header or end."""
+    """(KV bytes, hidden-state bytes: Aux Cache and the prefix cache's boundary) of a frame
+    message; (0, 0) for a header or end."""
     if message.WhichOneof("kind") != "frame":
         return 0, 0
     frame = message.frame
-    return len(frame.k.data) + len(frame.v.data), len(frame.aux_hidden.data)
+    return len(frame.k.data) + len(frame.v.data), len(frame.aux_hidden.data) + len(frame.boundary_hidden.data)

@@ -81,6 +81,8 @@ def frame_checksum(frame: pb.KVFrame) -> int:
         frame.aux_hidden.data,
         positions_bytes(frame.query_positions),
         frame.queries.data,
+        positions_bytes(frame.boundary_positions),
+        frame.boundary_hidden.data,
     )
     for part in parts:
         crc = google_crc32c.extend(crc, part)

@@ -103,7 +103,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, chosen: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_s", "decode_s", "prefill_token_layers", "token_layers_computed", "token_layers_full", "revived_token_layers", "kept_per_layer", "kv_cache_bytes", "aux_cache_bytes")
+    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_s", "decode_s", "prefill_token_layers", "token_layers_computed", "token_layers_full", "revived_token_layers", "kept_per_layer", "kv_cache_bytes", "aux_cache_bytes", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class GenerationStats(_message.Message):
     KEPT_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     AUX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     ttft_s: float
@@ -126,7 +127,8 @@ class GenerationStats(_message.Message):
     kept_per_layer: _containers.RepeatedScalarFieldContainer[int]
     kv_cache_bytes: int
     aux_cache_bytes: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_token_layers: _Optional[int] = ..., token_layers_computed: _Optional[int] = ..., token_layers_full: _Optional[int] = ..., revived_token_layers: _Optional[int] = ..., kept_per_layer: _Optional[_Iterable[int]] = ..., kv_cache_bytes: _Optional[int] = ..., aux_cache_bytes: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_token_layers: _Optional[int] = ..., token_layers_computed: _Optional[int] = ..., token_layers_full: _Optional[int] = ..., revived_token_layers: _Optional[int] = ..., kept_per_layer: _Optional[_Iterable[int]] = ..., kv_cache_bytes: _Optional[int] = ..., aux_cache_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -159,7 +161,7 @@ class TransferHeader(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class KVFrame(_message.Message):
-    __slots__ = ("transfer_id", "layer", "positions", "k", "v", "aux_positions", "aux_hidden", "crc32c", "query_positions", "queries")
+    __slots__ = ("transfer_id", "layer", "positions", "k", "v", "aux_positions", "aux_hidden", "crc32c", "query_positions", "queries", "boundary_positions", "boundary_hidden")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +172,8 @@ class KVFrame(_message.Message):
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     QUERY_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -180,7 +184,9 @@ class KVFrame(_message.Message):
     crc32c: int
     query_positions: _containers.RepeatedScalarFieldContainer[int]
     queries: Tensor
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., aux_positions: _Optional[_Iterable[int]] = ..., aux_hidden: _Optional[_Union[Tensor, _Mapping]] = ..., crc32c: _Optional[int] = ..., query_positions: _Optional[_Iterable[int]] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    boundary_positions: _containers.RepeatedScalarFieldContainer[int]
+    boundary_hidden: Tensor
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., aux_positions: _Optional[_Iterable[int]] = ..., aux_hidden: _Optional[_Union[Tensor, _Mapping]] = ..., crc32c: _Optional[int] = ..., query_positions: _Optional[_Iterable[int]] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ..., boundary_positions: _Optional[_Iterable[int]] = ..., boundary_hidden: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class TransferEnd(_message.Message):
     __slots__ = ("transfer_id", "prompt_ids", "pruning", "sampling", "num_frames", "prefill_stats", "first_tokens", "sampler_states")
@@ -223,21 +229,23 @@ class PushKVReply(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., num_frames: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("transfer_id", "decode_address", "prompt_ids", "pruning", "sampling")
+    __slots__ = ("transfer_id", "decode_address", "prompt_ids", "pruning", "sampling", "cache_salt")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PRUNING_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     decode_address: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     pruning: PruneConfig
     sampling: SamplingParams
-    def __init__(self, transfer_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, transfer_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("transfer_id", "first_tokens", "stats", "num_frames", "kv_bytes_sent", "aux_bytes_sent", "bytes_sent", "transfer_wait_s", "first_logprobs")
+    __slots__ = ("transfer_id", "first_tokens", "stats", "num_frames", "kv_bytes_sent", "aux_bytes_sent", "bytes_sent", "transfer_wait_s", "first_logprobs", "prefix_bytes_held", "prefix_evictions")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +255,8 @@ class PrefillReply(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     first_tokens: _containers.RepeatedScalarFieldContainer[int]
     stats: GenerationStats
@@ -256,7 +266,9 @@ class PrefillReply(_message.Message):
     bytes_sent: int
     transfer_wait_s: float
     first_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, transfer_id: _Optional[str] = ..., first_tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., num_frames: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., aux_bytes_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfer_wait_s: _Optional[float] = ..., first_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    prefix_bytes_held: int
+    prefix_evictions: int
+    def __init__(self, transfer_id: _Optional[str] = ..., first_tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., num_frames: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., aux_bytes_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfer_wait_s: _Optional[float] = ..., first_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefix_bytes_held: _Optional[int] = ..., prefix_evictions: _Optional[int] = ...) -> None: ...
 
 class LocalPrompt(_message.Message):
     __slots__ = ("prompt_ids", "pruning", "sampling")
@@ -269,14 +281,16 @@ class LocalPrompt(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "prompt")
+    __slots__ = ("request_id", "transfer_id", "prompt", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     prompt: LocalPrompt
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt: _Optional[_Union[LocalPrompt, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt: _Optional[_Union[LocalPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "stats", "logprobs", "index")
@@ -297,7 +311,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("model", "transfers_receiving", "transfers_ready", "sequences_active", "bytes_held", "transfers_completed", "transfers_rejected", "transfers_expired", "revived_token_layers", "dtype", "device", "torch_threads")
+    __slots__ = ("model", "transfers_receiving", "transfers_ready", "sequences_active", "bytes_held", "transfers_completed", "transfers_rejected", "transfers_expired", "revived_token_layers", "dtype", "device", "torch_threads", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_bytes_held", "prefix_evictions", "prefix_budget_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_RECEIVING_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_READY_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +324,11 @@ class WorkerStatus(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TORCH_THREADS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     transfers_receiving: int
     transfers_ready: int
@@ -322,4 +341,9 @@ class WorkerStatus(_message.Message):
     dtype: str
     device: str
     torch_threads: int
-    def __init__(self, model: _Optional[str] = ..., transfers_receiving: _Optional[int] = ..., transfers_ready: _Optional[int] = ..., sequences_active: _Optional[int] = ..., bytes_held: _Optional[int] = ..., transfers_completed: _Optional[int] = ..., transfers_rejected: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., revived_token_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., torch_threads: _Optional[int] = ...) -> None: ...
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    prefix_bytes_held: int
+    prefix_evictions: int
+    prefix_budget_bytes: int
+    def __init__(self, model: _Optional[str] = ..., transfers_receiving: _Optional[int] = ..., transfers_ready: _Optional[int] = ..., sequences_active: _Optional[int] = ..., bytes_held: _Optional[int] = ..., transfers_completed: _Optional[int] = ..., transfers_rejected: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., revived_token_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., torch_threads: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_bytes_held: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ...) -> None: ...
