@@ -41,6 +41,15 @@ class KeyStore:
             return address
         return hash_key(presented) if self.accepts(presented) else None
 
+    def identify(self, presented: str | None, address: str) -> tuple[str | None, str]:
+        """(caller, cache salt): the caller as `caller` says; the salt is the prefix cache's
+        tenant, made here and never sent by the client: the key's hash when keys are on (tenants
+        never share entries, so a cache hit's timing cannot tell one tenant another's prompt), one
+        salt for everyone when they are off."""
+        if not self.enabled():
+            return address, ""
+        return (hash_key(presented), hash_key(presented)) if self.accepts(presented) else (None, "")
+
     def accepts(self, presented: str | None) -> bool:
         if not self.enabled():
             return True

@@ -110,13 +110,17 @@ async def generate_on(
     request_id: str,
     deadline: float,
     parent: otel_context.Context | None = None,
+    cache_salt: str = "",
 ) -> AsyncIterator[Prefilled | Tokens | Finished]:
-    """One attempt at a request on these workers (deadline: time.monotonic() based)."""
+    """One attempt at a request on these workers (deadline: time.monotonic() based); cache_salt:
+    the prefix cache's tenant (the gateway's, from the API key)."""
     pruning_pb, sampling_pb = pruning_to_pb(pruning), sampling_to_pb(sampling)
     metadata = channels.auth.metadata()
     if prefill is None:
         request = pb.GenerateRequest(
-            request_id=request_id, prompt=pb.LocalPrompt(prompt_ids=ids, pruning=pruning_pb, sampling=sampling_pb)
+            request_id=request_id,
+            prompt=pb.LocalPrompt(prompt_ids=ids, pruning=pruning_pb, sampling=sampling_pb),
+            cache_salt=cache_salt,
         )
     else:
         transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
@@ -132,6 +136,7 @@ async def generate_on(
                     prompt_ids=ids,
                     pruning=pruning_pb,
                     sampling=sampling_pb,
+                    cache_salt=cache_salt,
                 ),
                 timeout=max(deadline - time.monotonic(), 0.001),
                 metadata=trace_metadata(span) + metadata,
@@ -152,7 +157,7 @@ async def generate_on(
         for index, token in enumerate(reply.first_tokens):
             if token not in sampling.stop_token_ids:
                 yield Tokens([token], stats, logprobs[index : index + 1] or None, index)
-        request = pb.GenerateRequest(request_id=request_id, transfer_id=transfer_id)
+        request = pb.GenerateRequest(request_id=request_id, transfer_id=transfer_id, cache_salt=cache_salt)
     span = tracer.start_span("decode", context=parent, kind=SpanKind.CLIENT)
     span.set_attribute("server.address", decode.address)
     stub = pb_grpc.DecodeServiceStub(channels.get(decode.address))

@@ -22,9 +22,11 @@ from services.router.admission import in_background, off_loop
 from services.router.client import Channels, Finished, Prefilled, Tokens, UpstreamError, WorkerFailed, generate_on
 from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision, NoWorkerError
+from services.router.prefixes import PrefixIndex, prompt_keys
 from services.router.tracing import annotate_decision
 from services.router.workers import DECODE_TOKENS, PREFILL_COST, Workers
 from shared.api.serving import Prepared
+from shared.contract.prefix import BLOCK_TOKENS, held_layers
 from shared.models.text import TextModel
 from shared.net.telemetry import tracer
 from shared.net.transport import NO_AUTH, InternalAuth
@@ -49,19 +51,42 @@ class Dispatcher:
         retries: int,
         auth: InternalAuth = NO_AUTH,
         attempt=generate_on,
+        prefixes: PrefixIndex | None = None,
     ):
         self.workers, self.policy, self.text, self.metrics, self.retries = workers, policy, text, metrics, retries
         self.channels = Channels(auth)
         self.attempt = attempt  # client.generate_on; the retry tests give a scripted one
+        self.prefixes = prefixes  # which worker holds which prompt start; None: no prefix caching
 
     async def close(self) -> None:
         await self.channels.close()
 
+    def keys(self, prepared: Prepared, ids: list[int] | None = None) -> list[bytes]:
+        spec = self.text.spec
+        return prompt_keys(ids or prepared.ids, self.text.name, prepared.pruning, spec.num_layers, prepared.cache_salt)
+
     def choose(self, prepared: Prepared, exclude: set[str], parent: otel_context.Context | None = None) -> Decision:
         fraction = prepared.pruning.computed_fraction(self.text.spec.num_layers)
         with tracer.start_as_current_span("route", context=parent) as span:
+            matched = None
+            if self.prefixes is not None:
+                try:
+                    blocks = self.prefixes.matches(self.keys(prepared))
+                except Exception as error:  # an index that cannot answer (Redis blip) routes by load
+                    log.warning("prefix index lookup failed: %s", error)
+                    blocks = {}
+                matched = {worker: count * BLOCK_TOKENS for worker, count in blocks.items()}
+                span.set_attribute("lazyserve.prefix_matched_tokens", max(matched.values(), default=0))
+            spec = self.text.spec
             decision = self.policy.choose(
-                self.workers, self.text.name, len(prepared.ids), fraction, prepared.sampling.max_new_tokens, exclude
+                self.workers,
+                self.text.name,
+                len(prepared.ids),
+                fraction,
+                prepared.sampling.max_new_tokens,
+                exclude,
+                matched=matched,
+                shared=held_layers(prepared.pruning, spec.num_layers) / spec.num_layers,
             )
             annotate_decision(span, decision, self.policy.name)
         self.metrics.routing.labels(decision.kind, self.policy.name).inc()
@@ -104,12 +129,21 @@ class Dispatcher:
                     request_id,
                     deadline,
                     parent,
+                    cache_salt=prepared.cache_salt,
                 )
+                answer: list[int] = []  # the first choice's tokens: with the prompt, the next turn's start
                 async with aclosing(attempt_events) as events:
                     async for event in events:
                         if isinstance(event, Prefilled):
                             self.metrics.kv_bytes.inc(event.reply.bytes_sent)
+                            self._prefill_cache_figures(decision, event.reply)
                             continue
+                        if isinstance(event, Tokens) and event.index == 0:
+                            if event.stats is not None and not emitted:
+                                self._prefilled(decision, prepared, event.stats)
+                            answer += event.ids
+                        elif isinstance(event, Finished) and event.index == 0:
+                            in_background(self._finished, decision, prepared, answer)
                         emitted = emitted or isinstance(event, Tokens)
                         yield event
                 return
@@ -126,6 +160,36 @@ class Dispatcher:
                 attempt += 1
             finally:
                 in_background(self._add_load, decision, -1)  # also while this task is being cancelled
+
+    def _prefilled(self, decision: Decision, prepared: Prepared, stats) -> None:
+        """The prompt is prefilled: count what the cache gave, and note who holds the prompt now."""
+        prefiller = decision.prefill or decision.decode
+        self.metrics.prefix_queried.labels(prefiller.address).inc(stats.prompt_tokens)
+        self.metrics.prefix_hit.labels(prefiller.address).inc(stats.cached_tokens)
+        if self.prefixes is None:
+            return
+        keys = self.keys(prepared)
+        # The decode worker caches a transferred prompt when it claims it, right after this.
+        holders = [decision.decode] if decision.prefill is None else [decision.prefill, decision.decode]
+        in_background(self._record, keys, holders)
+
+    def _finished(self, decision: Decision, prepared: Prepared, answer: list[int]) -> None:
+        """The decode worker now holds the prompt and the answer: a next turn starts with both."""
+        if self.prefixes is not None and answer:
+            self._record(self.keys(prepared, prepared.ids + answer), [decision.decode])
+
+    def _record(self, keys: list[bytes], holders) -> None:
+        try:
+            for worker in holders:
+                self.prefixes.record(keys, worker.worker_id)
+        except Exception as error:  # the index is a hint: a failed record costs a later hit, nothing more
+            log.warning("prefix index record failed: %s", error)
+
+    def _prefill_cache_figures(self, decision: Decision, reply) -> None:
+        if decision.prefill is not None:
+            address = decision.prefill.address
+            self.metrics.prefix_bytes.labels(address).set(reply.prefix_bytes_held)
+            self.metrics.prefix_evictions.labels(address).set(reply.prefix_evictions)
 
     def _add_load(self, decision: Decision, sign: int) -> None:
         try:

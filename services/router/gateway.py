@@ -9,6 +9,7 @@ runs in a thread (admission.off_loop), never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -33,6 +34,7 @@ from services.router.errors import status_of
 from services.router.metrics import GatewayMetrics
 from services.router.openapi import build_openapi
 from services.router.policy import make_policy
+from services.router.prefixes import MemoryPrefixIndex, RedisPrefixIndex
 from services.router.records import RequestRecords
 from services.router.responses import DONE, JobGroup, TextJob, stream_events
 from services.router.settings import GatewaySettings
@@ -114,7 +116,12 @@ class Gateway:
             required = settings.host not in LOOPBACK
         self.keys = KeyStore([k.get_secret_value() for k in settings.api_keys], required, client)
         policy = make_policy(settings.routing, settings.local_threshold)
-        self.dispatcher = Dispatcher(workers, policy, text, self.metrics, settings.retries, settings.internal_auth())
+        prefixes = None  # where prompts are cached; None when the workers cache nothing
+        if settings.engine.enable_prefix_caching:
+            prefixes = RedisPrefixIndex(client) if client is not None else MemoryPrefixIndex()
+        self.dispatcher = Dispatcher(
+            workers, policy, text, self.metrics, settings.retries, settings.internal_auth(), prefixes=prefixes
+        )
         self.admission = Admission(workers, self.metrics, settings.max_in_flight, settings.max_streams_per_key)
         self.model_names = list(dict.fromkeys([text.name, *settings.served_model_names]))
         self.app = self._build_app()
@@ -277,10 +284,11 @@ class Gateway:
 
     async def handle(self, request: Request, url: str, span):
         """Check, admit and route a request; the response that runs it to the end."""
-        caller = await self.authorize(request)
+        caller, salt = await self.identify(request)
         parsed = parse_request(url, await self.read_body(request))
         self.check_model(parsed.model)
         all_prepared = await off_loop(prepare_all, self.text, parsed)  # tokenizing is CPU work
+        all_prepared = [dataclasses.replace(prepared, cache_salt=salt) for prepared in all_prepared]
         annotate_request(span, all_prepared[0], self.text.spec.num_layers)
         slot = await self.admission.admit(caller)
         streaming = False  # once true, the stream's body gives the slot back
@@ -370,15 +378,19 @@ class Gateway:
     # ------------------------------------------------------------------ pieces
     async def authorize(self, request: Request) -> str:
         """Check the key; returns who is asking (a key's hash, or the client's address without keys)."""
+        return (await self.identify(request))[0]
+
+    async def identify(self, request: Request) -> tuple[str, str]:
+        """Check the key; returns who is asking and the prefix cache's salt for them (auth.KeyStore)."""
         header = request.headers.get("authorization", "")
         presented = header[7:].strip() if header.lower().startswith("bearer ") else None
         address = request.client.host if request.client else "?"
-        caller = await off_loop(self.keys.caller, presented, address)  # may ask Redis
+        caller, salt = await off_loop(self.keys.identify, presented, address)  # may ask Redis
         if caller is None:
             raise RequestError(
                 401, "missing or invalid API key (send it as `Authorization: Bearer KEY`)", code="invalid_api_key"
             )
-        return caller
+        return caller, salt
 
     async def read_body(self, request: Request) -> dict:
         """The JSON body, read within the size limit and the read timeout: a declared length over

@@ -39,4 +39,17 @@ class GatewayMetrics:
         self.retries = Counter(
             "lazyserve_retries", "requests retried on another worker before the first token", registry=r
         )
+        # The prefix cache, per worker that prefilled (its address): tokens looked up and found.
+        self.prefix_queried = Counter(
+            "lazyserve_prefix_cache_queried_tokens", "prompt tokens looked up in a prefix cache", ["worker"], registry=r
+        )
+        self.prefix_hit = Counter(
+            "lazyserve_prefix_cache_hit_tokens", "prompt tokens found in a prefix cache", ["worker"], registry=r
+        )
+        self.prefix_bytes = Gauge(
+            "lazyserve_prefix_cache_bytes", "bytes a worker's prefix cache holds", ["worker"], registry=r
+        )
+        self.prefix_evictions = Gauge(
+            "lazyserve_prefix_cache_evictions", "blocks a worker's prefix cache has evicted", ["worker"], registry=r
+        )
         self.in_flight = Gauge("lazyserve_in_flight_requests", "requests in progress", registry=r)

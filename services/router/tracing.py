@@ -57,6 +57,7 @@ def annotate_stats(span, stats: Stats) -> None:
     span.set_attribute("lazyserve.revived_token_layers", stats.revived_token_layers)
     span.set_attribute("lazyserve.kv_cache_bytes", stats.kv_cache_bytes)
     span.set_attribute("lazyserve.aux_cache_bytes", stats.aux_cache_bytes)
+    span.set_attribute("gen_ai.usage.cache_read.input_tokens", stats.cached_tokens)  # from the prefix cache
     if stats.kept_per_layer and stats.prompt_tokens:
         span.set_attribute("lazyserve.kept_fraction_per_layer", [k / stats.prompt_tokens for k in stats.kept_per_layer])
 

@@ -97,6 +97,7 @@ class Prepared:
     pruning_label: str
     stop: list[str]
     echo: str = ""  # completions with echo: the prompt's text, put before the output
+    cache_salt: str = ""  # the prefix cache's tenant, set by the gateway from the API key
 
 
 def prepare_all(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) -> list[Prepared]:

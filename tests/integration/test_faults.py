@@ -3,6 +3,7 @@ restarted under a running gateway."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -75,15 +76,16 @@ def test_a_killed_prefill_actor_is_restarted_and_no_request_hangs(local_ray, tin
             prefill_workers=[address], decode_workers=[decode.address], local_threshold=100, request_timeout_s=60
         )
         client = running.openai()
-        ids = random_ids(tiny_llama, 300)
-        first = client.completions.with_raw_response.create(model="tiny-llama", prompt=ids, max_tokens=3)
+        # A new prompt each time: a repeated one would be sent where it is cached (prefix caching).
+        prompts = (random_ids(tiny_llama, 300, seed) for seed in itertools.count(100))
+        first = client.completions.with_raw_response.create(model="tiny-llama", prompt=next(prompts), max_tokens=3)
         assert first.headers["x-lazyserve-route"] == "disaggregated"
         pid = ray.get(actor.pid.remote())
         os.kill(pid, signal.SIGKILL)
         # Right after the crash: the prefill call fails, is retried, and with no other prefill
         # worker the retry prefills on the decode worker (said so in the route): an answer, no hang.
         started = time.monotonic()
-        during = client.completions.with_raw_response.create(model="tiny-llama", prompt=ids, max_tokens=3)
+        during = client.completions.with_raw_response.create(model="tiny-llama", prompt=next(prompts), max_tokens=3)
         assert during.parse().usage.completion_tokens == 3
         assert during.headers["x-lazyserve-route"] == "local"  # the retry's route, said in the header
         answered = time.monotonic() - started
@@ -93,7 +95,7 @@ def test_a_killed_prefill_actor_is_restarted_and_no_request_hangs(local_ray, tin
         assert actor_addresses([actor]) == [address]  # same fixed port
 
         def disaggregated_again():
-            reply = client.completions.with_raw_response.create(model="tiny-llama", prompt=ids, max_tokens=3)
+            reply = client.completions.with_raw_response.create(model="tiny-llama", prompt=next(prompts), max_tokens=3)
             return reply.headers["x-lazyserve-route"] == "disaggregated"
 
         assert wait_for(disaggregated_again, timeout=30)

@@ -144,7 +144,9 @@ def test_chat_logprobs_streamed_and_not(stack, tiny_llama, tiny_text):
         assert bytes(item.bytes).decode("utf-8", errors="replace") == item.token
     chunks = list(client.chat.completions.create(**args, stream=True))
     streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
-    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
+    # The second request starts from the first's cached prefix (new rows over cached keys, another
+    # attention call than one causal pass): the same tokens, logprobs within float32 rounding.
+    assert [(i.token, pytest.approx(i.logprob, abs=1e-5)) for i in streamed] == [(i.token, i.logprob) for i in content]
     # The in-process path (run-batch) gives the same figures.
     body = {k: v for k, v in args.items() if k != "model"}
     local = respond(LLM(tiny_llama), CHAT_URL, body).model_dump()["choices"][0]["logprobs"]["content"]

@@ -4,11 +4,14 @@ tokens at the shared layers, and never shares what pruning computed for another 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from shared.engine import OFF, PrefillRun, PruneConfig, decode_step
 from shared.engine.prefix import PrefixCache, block_keys, held_layers, namespace
+from shared.engine.reuse import PrefixReuse
 
 STEPS = 8
 LAZY = PruneConfig(stages=((2, 0.5),), window=4)
@@ -160,3 +163,143 @@ def test_a_prefill_from_a_hit_streams_a_whole_transfer(tiny_llama):
     for mine, theirs in zip(got.layers, run.cache.layers):
         assert torch.equal(mine.positions, theirs.positions) and torch.equal(mine.k, theirs.k)
     assert torch.equal(got.depth[:200], run.cache.depth[:200])
+
+
+# ---------------------------------------------------------------- PrefixReuse: what the workers use
+def _reuse(model, budget=1 << 30):
+    reuse = PrefixReuse(model, "tiny-llama", budget, block_tokens=16)
+    return reuse
+
+
+@pytest.mark.parametrize("config", [OFF, LAZY, SHORT_UNPRUNED], ids=["off", "lazy", "short"])
+def test_a_conversations_next_turn_starts_from_its_prompt_and_answer(tiny_llama, config):
+    """Turn 1 is prefilled and decoded; the finished sequence (prompt and the answer fed to the
+    model, whose states leaving the first cut decode kept) is remembered; turn 2 re-sends both and
+    a question. Its prefill starts past the answer and gives what a prefill from scratch gives."""
+    model = tiny_llama.engine
+    reuse = _reuse(model)
+    first = _ids(140, 11)
+    run = reuse.prefill(first, config, reserve=STEPS)
+    _, answer = _greedy(model, run, config)  # each token chosen is fed (a sequence stopped by length
+    assert run.cache.length == 140 + len(answer)  # leaves its last one unfed: remember takes what is held)
+    added = reuse.remember(run.cache, first.tolist() + answer + [7, 7], config)
+    assert added == (140 + len(answer)) // 16 - 140 // 16  # the prompt's blocks were cached by prefill already
+    second = torch.cat([first, torch.tensor(answer), _ids(40, 12)])
+    warm = reuse.prefill(second, config, reserve=STEPS)
+    assert warm.cache.cached_tokens == (140 + len(answer)) // 16 * 16 > 140  # into the answer
+    cold = _run(model, second, config)
+    torch.testing.assert_close(warm.logits, cold.logits, atol=1e-4, rtol=0)
+    assert _greedy(model, warm, config)[1] == _greedy(model, cold, config)[1]
+    assert reuse.hit_tokens == warm.cache.cached_tokens and reuse.queried_tokens == 140 + second.shape[0]
+    assert all(entry.pins == 0 for entry in reuse.cache._entries.values())
+
+
+def test_tenants_never_share_entries(tiny_llama):
+    model = tiny_llama.engine
+    reuse = _reuse(model)
+    prompt = _ids(100, 13)
+    reuse.prefill(prompt, LAZY, "tenant-a")
+    assert reuse.prefill(prompt, LAZY, "tenant-b").cache.cached_tokens == 0
+    assert reuse.prefill(prompt, LAZY, "tenant-a").cache.cached_tokens == 96
+
+
+def test_concurrent_prefills_sharing_a_prefix_each_equal_one_from_scratch(tiny_llama):
+    import threading
+
+    model = tiny_llama.engine
+    reuse = _reuse(model)
+    document = _ids(128, 14)
+    reuse.prefill(document, LAZY)
+    prompts = [torch.cat([document, _ids(30 + i, 20 + i)]) for i in range(4)]
+    results: dict[int, torch.Tensor] = {}
+
+    def ask(i: int) -> None:
+        results[i] = reuse.prefill(prompts[i], LAZY).logits
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(results[i], _run(model, prompt, LAZY).logits, atol=1e-4, rtol=0)
+    assert reuse.hit_tokens == 4 * 128
+    assert all(entry.pins == 0 for entry in reuse.cache._entries.values())
+
+
+def test_a_burst_of_distinct_prompts_stays_under_the_budget_and_spares_what_is_in_use(tiny_llama):
+    model = tiny_llama.engine
+    probe = _reuse(model)
+    probe.prefill(_ids(64, 30), LAZY)
+    budget = 3 * probe.cache.bytes_held  # three 64-token prompts' worth
+    reuse = _reuse(model, budget)
+    document = _ids(64, 31)
+    reuse.prefill(document, LAZY)
+    # A prefill from the document is under way (its hit pinned) while the burst comes.
+    running = reuse.start(torch.cat([document, _ids(20, 32)]), LAZY)
+    assert running.cache.cached_tokens == 64
+    for seed in range(40, 52):
+        reuse.prefill(_ids(64, seed), LAZY)
+        assert reuse.cache.bytes_held <= budget
+    assert all(key in reuse.cache._entries for key in running.prefix_keys[:4])
+    while not running.done:
+        running.step()
+    reuse.finish(running)
+    assert reuse.cache.evictions > 0 and reuse.cache.bytes_held <= budget
+
+
+def _transfer(tiny_llama, run, frames, prompt, config, budget=1 << 20):
+    from shared.engine import SamplingParams, Stats
+    from shared.transfer import end_message, frame_messages, header_message
+
+    model = tiny_llama.engine
+    messages = [header_message("t", tiny_llama.name, model.spec, model.dtype, prompt.shape[0])]
+    for frame in frames:
+        messages += frame_messages("t", frame, budget)
+    first = int(run.logits.argmax())
+    params = SamplingParams(max_new_tokens=4)
+    messages.append(end_message("t", prompt.tolist(), [first], config, params, [b""], len(messages) - 1, Stats()))
+    return messages
+
+
+@pytest.mark.parametrize("config", [LAZY, SHORT_UNPRUNED], ids=["lazy", "short"])
+def test_a_transfer_carries_what_lets_the_receiver_cache_the_prompt(tiny_llama, config):
+    """The states leaving the first cut of the tokens that went deeper travel with the frames (in
+    frames small enough to need several); with the Aux Cache's they give the receiver every token's,
+    so its prefix cache gets the entries the sender's got, and its decode extends them."""
+    from helpers import assemble
+
+    model = tiny_llama.engine
+    sender, receiver = _reuse(model), _reuse(model)
+    prompt = _ids(150, 40)
+    frames = []
+    run = sender.prefill(prompt, config, on_layer=frames.append)
+    boundary = [frame for frame in frames if frame.boundary_positions is not None]
+    assert [frame.layer for frame in boundary] == [held_layers(config, model.spec.num_layers) - 1]
+    got = assemble(tiny_llama, _transfer(tiny_llama, run, frames, prompt, config, budget=1024)).cache
+    assert torch.equal(got.boundary.rows(150), run.cache.boundary.rows(150))
+    assert receiver.remember(got, prompt.tolist(), config) == 150 // 16
+    for key, entry in sender.cache._entries.items():
+        theirs = receiver.cache._entries[key]
+        assert torch.equal(entry.k, theirs.k) and torch.equal(entry.hidden, theirs.hidden)
+    token = int(run.logits.argmax())
+    decode_step(model, got, token, config)  # the new token's state joins the boundary
+    assert got.boundary.rows(151).shape[0] == 151
+
+
+def test_a_transfer_with_wrong_boundary_rows_is_refused(tiny_llama):
+    from helpers import assemble
+
+    from shared.transfer import FrameError
+
+    model = tiny_llama.engine
+    prompt = _ids(150, 41)
+    frames = []
+    run = _reuse(model).prefill(prompt, LAZY, on_layer=frames.append)
+    index = next(i for i, frame in enumerate(frames) if frame.boundary_positions is not None)
+    frame = frames[index]
+    short = dataclasses.replace(
+        frame, boundary_positions=frame.boundary_positions[1:], boundary_hidden=frame.boundary_hidden[1:]
+    )
+    with pytest.raises(FrameError, match="boundary states must be those of the"):
+        assemble(tiny_llama, _transfer(tiny_llama, run, [*frames[:index], short, *frames[index + 1 :]], prompt, LAZY))

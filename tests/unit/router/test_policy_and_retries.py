@@ -95,7 +95,9 @@ class Script:
     def __init__(self, *plan):
         self.plan, self.calls = list(plan), []
 
-    async def __call__(self, channels, decode, prefill, ids, pruning, sampling, request_id, deadline, parent=None):
+    async def __call__(
+        self, channels, decode, prefill, ids, pruning, sampling, request_id, deadline, parent=None, cache_salt=""
+    ):
         tokens, failure = self.plan[len(self.calls)]
         self.calls.append(decode.worker_id)
         for token in tokens:
