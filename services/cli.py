@@ -264,9 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--timeout", type=float, default=2.0)
 
     bench = sub.add_parser(
-        "bench", add_help=False, help="benchmarks: ttft, decode, disagg, serve (lazyserve bench NAME --help for flags)"
+        "bench",
+        add_help=False,
+        help="benchmarks: ttft, decode, disagg, serve, prefix (lazyserve bench NAME --help for flags)",
     )
-    bench.add_argument("name", choices=["ttft", "decode", "disagg", "serve"])
+    bench.add_argument("name", choices=["ttft", "decode", "disagg", "serve", "prefix"])
 
     sub.add_parser(
         "eval", add_help=False, help="the long-context accuracy suite under many pruning schedules (--help for flags)"

@@ -34,9 +34,10 @@ class PrefillActor:
         # prompt's prefill on one core: the actors of this worker share the node's cores instead.
         import torch
 
-        from shared.net.settings import available_cores
+        from shared.net.settings import available_cores, tune_malloc
 
         torch.set_num_threads(engine.threads or max(1, available_cores() // settings.num_actors))
+        tune_malloc()
         log.info("prefill actor: %d torch threads", torch.get_num_threads())
         loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
         if settings.host in ("0.0.0.0", "::") and settings.advertise_host is None:  # noqa: S104 -- a check, not a bind

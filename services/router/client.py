@@ -97,6 +97,13 @@ async def decode_status(channels: Channels, worker: WorkerInfo, timeout: float =
         "torch_threads": status.torch_threads,
         "sequences_active": status.sequences_active,
         "bytes_held": status.bytes_held,
+        "prefix_cache": {
+            "queried_tokens": status.prefix_queried_tokens,
+            "hit_tokens": status.prefix_hit_tokens,
+            "bytes_held": status.prefix_bytes_held,
+            "budget_bytes": status.prefix_budget_bytes,
+            "evictions": status.prefix_evictions,
+        },
     }
 
 

@@ -251,7 +251,23 @@ class Gateway:
         return DetokenizeResponse(prompt=text).model_dump()
 
     async def prometheus(self):
+        if self.settings.engine.enable_prefix_caching:
+            await self._refresh_prefix_gauges()
         return PlainTextResponse(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def _refresh_prefix_gauges(self) -> None:
+        """The decode workers' prefix caches, asked at scrape time (the prefill workers' come with
+        each prefill reply). A worker that does not answer within a second keeps its last figures."""
+        try:
+            live = await off_loop(self.workers.list)
+        except Exception:  # Redis down: /metrics still answers with what it has
+            return
+        decoders = [w for w in live if w.role == "decode"]
+        channels = self.dispatcher.channels
+        for entry in await asyncio.gather(*(decode_status(channels, w, timeout=1.0) for w in decoders)):
+            if "prefix_cache" in entry:
+                self.metrics.prefix_bytes.labels(entry["address"]).set(entry["prefix_cache"]["bytes_held"])
+                self.metrics.prefix_evictions.labels(entry["address"]).set(entry["prefix_cache"]["evictions"])
 
     # ------------------------------------------------------------------ errors
     async def _on_error(self, request: Request, error: Exception):

@@ -242,10 +242,11 @@ class LazyCache:
             grown[: self.depth.shape[0]] = self.depth
             self.depth = grown
 
-    def shared_rows(self, layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What a prefix cache keeps of every token held here (prompt and fed generated tokens):
-        K and V at layers 0..layers-1 [layers, Hkv, length, D] and, when that is not every layer,
-        the hidden states leaving the last of them [length, hidden] (`boundary` must hold them)."""
+    def shared_rows(self, layers: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What a prefix cache keeps of the tokens held here (prompt and fed generated tokens)
+        from position `start` on: K and V at layers 0..layers-1 [layers, Hkv, length - start, D]
+        and, when that is not every layer, the hidden states leaving the last of them
+        [length - start, hidden] (`boundary` must hold them)."""
         n = self.length
         expected = torch.arange(n, device=self.depth.device)
         for index, layer in enumerate(self.layers[:layers]):
@@ -255,9 +256,9 @@ class LazyCache:
         if layers < self.spec.num_layers:
             if self.boundary is None or self.boundary.layer != layers - 1:
                 raise InvariantError(f"no hidden states kept leaving layer {layers - 1}")
-            hidden = self.boundary.rows(n)
-        k = torch.cat([layer.k for layer in self.layers[:layers]])
-        v = torch.cat([layer.v for layer in self.layers[:layers]])
+            hidden = self.boundary.rows(n)[start:]
+        k = torch.cat([layer.k[:, :, start:] for layer in self.layers[:layers]])
+        v = torch.cat([layer.v[:, :, start:] for layer in self.layers[:layers]])
         return k, v, hidden
 
     @property

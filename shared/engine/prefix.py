@@ -29,14 +29,28 @@ from shared.contract.prefix import BLOCK_TOKENS, block_keys, held_layers, namesp
 __all__ = ["BLOCK_TOKENS", "Entry", "PrefixCache", "PrefixHit", "block_keys", "held_layers", "namespace"]
 
 
+@dataclass(eq=False)
+class Chunk:
+    """The blocks one insert added share one allocation per tensor; an entry's tensors are views.
+
+    Why not a copy per block: thousands of long-lived half-megabyte tensors fragment the C heap,
+    and every later prefill then takes its temporaries from fresh pages (measured: 2.6x the page
+    faults of seven 3k-token prefills without a cache, and 5-10% slower prefills; one copy per
+    insert: 1.07x). Its bytes are held until its last entry goes."""
+
+    nbytes: int
+    keys: set[bytes]
+
+
 @dataclass
 class Entry:
     """One block: K/V at the held layers [layers, Hkv, B, D] and, when not every layer is held,
-    the hidden states leaving the last held layer [B, hidden]."""
+    the hidden states leaving the last held layer [B, hidden]; views into its chunk."""
 
     k: torch.Tensor
     v: torch.Tensor
     hidden: torch.Tensor | None
+    chunk: Chunk | None = None
     pins: int = 0
 
     @property
@@ -110,35 +124,98 @@ class PrefixCache:
                     entry.pins -= 1
             self._evict()
 
-    def insert(self, keys: list[bytes], k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None) -> int:
-        """Add the blocks of one prompt not yet held. k, v: [layers, Hkv, >= blocks x B, D] in
-        position order; hidden: [>= blocks x B, hidden] or None. Returns the blocks added."""
-        b, added = self.block_tokens, 0
+    def first_missing(self, keys: list[bytes]) -> int:
+        """The index of the first block of `keys` not held (len(keys) when all are): rows before
+        it need not be gathered for an insert."""
         with self._lock:
-            # Tail first, so that the chain's head ends up the most recently used.
-            for i, key in reversed(list(enumerate(keys))):
+            return next((i for i, key in enumerate(keys) if key not in self._entries), len(keys))
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Mark the held blocks of `keys` used, tail first (the head ends up the most recent)."""
+        with self._lock:
+            for key in reversed(keys):
                 if key in self._entries:
                     self._entries.move_to_end(key)
-                    continue
-                rows = slice(i * b, (i + 1) * b)
-                # Copies: a slice would keep the whole prompt's buffers alive.
-                entry = Entry(
-                    k[:, :, rows].clone(), v[:, :, rows].clone(), None if hidden is None else hidden[rows].clone()
-                )
-                if entry.nbytes > self.budget_bytes:
-                    break
-                self._entries[key] = entry
-                self.bytes_held += entry.nbytes
-                added += 1
+
+    def insert(
+        self, keys: list[bytes], k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None, first: int = 0
+    ) -> int:
+        """Add the blocks of one prompt not yet held. k, v: [layers, Hkv, rows, D] in position
+        order from block `first` on; hidden: [rows, hidden] or None. Blocks before `first` are
+        only touched. Returns the blocks added."""
+        b = self.block_tokens
+        with self._lock:
+            fresh = [i for i in range(first, len(keys)) if keys[i] not in self._entries]
+            per_block = _block_bytes(k, v, hidden, b)
+            fresh = fresh[: self.budget_bytes // per_block] if per_block else fresh  # the head first
+            if fresh:
+                self._add(keys, fresh, first, k, v, hidden)
+            # Tail first, so that the chain's head ends up the most recently used.
+            for key in reversed(keys):
+                if key in self._entries:
+                    self._entries.move_to_end(key)
             self._evict()
-        return added
+        return len(fresh)
+
+    def _add(self, keys: list[bytes], fresh: list[int], first: int, k, v, hidden) -> None:
+        b = self.block_tokens
+        rows = torch.cat([torch.arange((i - first) * b, (i - first + 1) * b) for i in fresh]).to(k.device)
+        # One copy per tensor for every new block (a slice would keep the prompt's buffers alive).
+        chunk_k, chunk_v = k.index_select(2, rows), v.index_select(2, rows)
+        chunk_h = None if hidden is None else hidden.index_select(0, rows)
+        chunk = Chunk(sum(t.numel() * t.element_size() for t in (chunk_k, chunk_v, chunk_h) if t is not None), set())
+        for j, i in enumerate(fresh):
+            block = slice(j * b, (j + 1) * b)
+            entry = Entry(
+                chunk_k[:, :, block], chunk_v[:, :, block], None if chunk_h is None else chunk_h[block], chunk
+            )
+            self._entries[keys[i]] = entry
+            chunk.keys.add(keys[i])
+        self.bytes_held += chunk.nbytes
 
     def _evict(self) -> None:
-        """Drop unpinned entries, least recently used first, until within the budget."""
+        """Drop unpinned entries, least recently used first, until within the budget. A chunk that
+        keeps some entries is copied down to them, so that every eviction frees its bytes."""
         if self.bytes_held <= self.budget_bytes:
             return
-        for key in [key for key, entry in self._entries.items() if entry.pins == 0]:
-            if self.bytes_held <= self.budget_bytes:
-                return
-            self.bytes_held -= self._entries.pop(key).nbytes
+        victims, freed = [], 0
+        for key, entry in self._entries.items():
+            if self.bytes_held - freed <= self.budget_bytes:
+                break
+            if entry.pins == 0:
+                victims.append(key)
+                freed += entry.nbytes
+        touched: dict[int, Chunk] = {}
+        for key in victims:
+            entry = self._entries.pop(key)
             self.evictions += 1
+            entry.chunk.keys.discard(key)
+            touched[id(entry.chunk)] = entry.chunk
+        for chunk in touched.values():
+            self.bytes_held -= chunk.nbytes
+            if chunk.keys:
+                self._compact(chunk)
+
+    def _compact(self, chunk: Chunk) -> None:
+        """The survivors of a partly evicted chunk into one of their own size."""
+        keys = list(chunk.keys)
+        entries = [self._entries[key] for key in keys]
+        b = self.block_tokens
+        chunk_k = torch.cat([e.k for e in entries], dim=2)
+        chunk_v = torch.cat([e.v for e in entries], dim=2)
+        chunk_h = None if entries[0].hidden is None else torch.cat([e.hidden for e in entries])
+        fresh = Chunk(
+            sum(t.numel() * t.element_size() for t in (chunk_k, chunk_v, chunk_h) if t is not None), set(keys)
+        )
+        for j, entry in enumerate(entries):
+            block = slice(j * b, (j + 1) * b)
+            entry.k, entry.v, entry.chunk = chunk_k[:, :, block], chunk_v[:, :, block], fresh
+            entry.hidden = None if chunk_h is None else chunk_h[block]
+        self.bytes_held += fresh.nbytes
+
+
+def _block_bytes(k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None, block: int) -> int:
+    per_token = (k.shape[0] * k.shape[1] * k.shape[3]) * (k.element_size() + v.element_size())
+    if hidden is not None:
+        per_token += hidden.shape[-1] * hidden.element_size()
+    return per_token * block

@@ -87,7 +87,7 @@ class PrefixReuse:
     def finish(self, run: PrefillRun) -> None:
         """Cache a finished prefill's shareable rows and unpin what it started from."""
         try:
-            self.cache.insert(run.prefix_keys, *run.shared_rows())
+            self._insert(run.cache, run.prefix_keys, run.held)
         finally:
             self.abandon(run)
 
@@ -108,5 +108,13 @@ class PrefixReuse:
         if count == 0:
             return 0
         keys = self.keys(list(ids)[:count], config, salt)
-        k, v, hidden = cache.shared_rows(layers)
-        return self.cache.insert(keys, k, v, hidden)
+        return self._insert(cache, keys, layers)
+
+    def _insert(self, cache: LazyCache, keys: list[bytes], layers: int) -> int:
+        """Gather only the rows of blocks not held yet (a warm prompt adds a block or two)."""
+        first = self.cache.first_missing(keys)
+        if first == len(keys):
+            self.cache.touch(keys)
+            return 0
+        k, v, hidden = cache.shared_rows(layers, first * self.cache.block_tokens)
+        return self.cache.insert(keys, k, v, hidden, first)

@@ -44,10 +44,40 @@ class EngineSettings(BaseSettings):
     )
 
     def apply_threads(self) -> None:
-        """torch's intra-op threads: the setting, else every core this process may run on."""
+        """torch's intra-op threads: the setting, else every core this process may run on; and
+        the C allocator tuned for a model server (tune_malloc)."""
         import torch
 
         torch.set_num_threads(self.threads or available_cores())
+        tune_malloc()
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def tune_malloc() -> bool:
+    """Keep freed memory for reuse instead of giving it back to the OS at once, so a prefill's
+    temporaries (tens of MB per layer) come from pages already mapped rather than fresh,
+    zero-filled ones. glibc's default adapts its thresholds as blocks are freed, and with
+    long-lived tensors beside them (a prefix cache) each 3k-token prefill page-faulted about 1 GB
+    more. Measured on seven 3k-token SmolLM2 prefills (float32, 2 cores): 2.2-2.9M minor faults
+    with a prefix cache and 1.1M without, 0.2-0.4M with these settings, and each prefill 5-10%
+    faster. Fixed thresholds: blocks over 32 MiB are mmapped as before; up to 1 GiB of free heap
+    is kept. No-op (False) without glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return False
+    settings = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20))
+    return all(mallopt(parameter, value) == 1 for parameter, value in settings)
 
 
 def available_cores() -> int:

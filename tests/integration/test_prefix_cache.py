@@ -118,3 +118,116 @@ def test_two_api_keys_never_share_entries(stack, tiny_llama):
     # The same prompt under another key: nothing of the first key's entries, on any worker.
     assert _ask(b, prompt)[0].usage.prompt_tokens_details.cached_tokens == 0
     assert _ask(b, prompt)[0].usage.prompt_tokens_details.cached_tokens == 288
+
+
+def test_with_several_gateways_the_index_lives_in_redis(flush_redis, tiny_llama):
+    """Gateway A routes a conversation's first turn; gateway B, sharing only Redis, sends the next
+    turn to the decode worker holding it. The attempts are scripted (no model): this is about
+    where the index lives; the test above runs the real workers."""
+    import asyncio
+    import time
+
+    from services.router.client import Finished, Tokens
+    from services.router.dispatch import Dispatcher
+    from services.router.metrics import GatewayMetrics
+    from services.router.policy import LengthAwarePolicy
+    from services.router.prefixes import RedisPrefixIndex
+    from services.router.workers import StaticWorkers
+    from shared.api.serving import Prepared
+    from shared.models.text import TextModel
+    from shared.net.registry import WorkerInfo, connect
+
+    calls = []
+
+    async def attempt(channels, decode, prefill, ids, pruning, sampling, request_id, deadline, parent=None, **_):
+        calls.append((decode.worker_id, prefill and prefill.worker_id))
+        yield Tokens([7], _stats(len(ids)))
+        yield Tokens([7] * 39)
+        yield Finished("length", _stats(len(ids)))
+
+    def _stats(n):
+        from shared.contract import Stats
+
+        return Stats(prompt_tokens=n)
+
+    infos = [WorkerInfo(worker_id=f"d{i}", role="decode", address=f"d{i}:1", model="m") for i in range(2)]
+    infos.append(WorkerInfo(worker_id="p0", role="prefill", address="p0:1", model="m"))
+    spec = tiny_llama.engine.spec
+    gateways = [
+        Dispatcher(
+            StaticWorkers(infos),
+            LengthAwarePolicy(100),
+            TextModel("m", None, spec, ()),
+            GatewayMetrics(),
+            1,
+            attempt=attempt,
+            prefixes=RedisPrefixIndex(connect(_url(flush_redis))),
+        )
+        for _ in range(2)
+    ]
+    config = preset("default", spec.num_layers)
+
+    def ask(dispatcher, ids):
+        prepared = Prepared(ids, SamplingParams(max_new_tokens=40), config, "default", [])
+
+        async def run():
+            async for _ in dispatcher.run(prepared, "r", time.monotonic() + 30):
+                pass
+            await asyncio.sleep(0.2)  # the index is written in the background
+
+        asyncio.run(run())
+
+    first = random_ids(tiny_llama, 600, seed=3)
+    ask(gateways[0], first)
+    holder = calls[-1][0]
+    assert calls[-1][1] == "p0"
+    assert flush_redis.keys("lazyserve:prefix:*")
+    ask(gateways[1], first + [7] * 40 + random_ids(tiny_llama, 20, seed=4))
+    assert calls[-1] == (holder, None)
+
+
+def _url(client) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    return f"redis://{kwargs['host']}:{kwargs['port']}/{kwargs.get('db', 0)}"
+
+
+def test_through_up_a_repeated_document_and_a_second_turn_are_cached(tiny_llama):
+    """`lazyserve up` as a user runs it (its own processes, the prefill actor on a local Ray), the
+    `openai` SDK as the client: chat requests, so the chat template and the tokenizer take part."""
+    import openai
+    from conftest import free_port, kill_sessions, start_process
+
+    port = free_port()
+    args = ["up", "--model", "tiny-llama", "--threads", "1", "--port", str(port), "--local-threshold", "100"]
+    args += ["--decode-port", str(free_port()), "--prefill-port", str(free_port())]
+    process, url = start_process(args, "gateway", timeout=240, session=True)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        document = " ".join(f"item{i} costs {i * 7 % 13} coins." for i in range(120))
+
+        def chat(messages):
+            reply = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=12, temperature=0)
+            return reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens
+
+        first = [{"role": "user", "content": document + "\nWhat does item3 cost?"}]
+        answer, cached = chat(first)
+        assert cached == 0
+        again = [{"role": "user", "content": document + "\nWhat does item7 cost?"}]
+        _, cached = chat(again)
+        assert cached > 0.8 * len(tiny_llama.tokenizer(document).input_ids)
+        turn = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And item9?"}]
+        second_answer, cached = chat(turn)
+        from shared.models.text import load_text_model
+
+        text = load_text_model("tiny-llama")
+        assert cached >= len(text.chat_ids(first)) // 32 * 32 > 0
+        # The same answers as the engine gives from scratch.
+        config = preset("default", tiny_llama.engine.spec.num_layers)
+        for messages, got in ((first, answer), (turn, second_answer)):
+            ids = text.chat_ids(messages)
+            tokens = generate(tiny_llama.engine, ids, config, SamplingParams(max_new_tokens=12)).tokens
+            assert got == text.tokenizer.decode(tokens, skip_special_tokens=True)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        kill_sessions({process.pid})

@@ -132,6 +132,11 @@ def test_eviction_keeps_the_budget_spares_pinned_entries_and_drops_a_chain_tail_
     assert all(key in cache._entries for key in other_keys)
     again = cache.lookup(keys, 64)
     assert again.tokens == 32
+    # The survivors were copied down to a chunk of their own: the same rows, and only their bytes held.
+    k, v, hidden = run.shared_rows()
+    assert torch.equal(again.k, k[:, :, :32]) and torch.equal(again.v, v[:, :, :32])
+    assert torch.equal(again.hidden, hidden[:32])
+    assert cache.bytes_held == sum(entry.nbytes for entry in cache._entries.values())
     cache.release(again)
     assert (cache.hits, cache.misses) == (2, 0) and cache.evictions == 4
 
