@@ -308,3 +308,21 @@ def test_a_transfer_with_wrong_boundary_rows_is_refused(tiny_llama):
     )
     with pytest.raises(FrameError, match="boundary states must be those of the"):
         assemble(tiny_llama, _transfer(tiny_llama, run, [*frames[:index], short, *frames[index + 1 :]], prompt, LAZY))
+
+
+def test_a_prefill_from_what_is_left_after_eviction_equals_one_from_scratch(tiny_llama):
+    """The chain lost its tail to the budget: the head that is left is a shorter hit, and a
+    prefill from it still gives what one from scratch gives."""
+    model = tiny_llama.engine
+    probe = _reuse(model)
+    document = _ids(128, 50)
+    probe.prefill(document, LAZY)
+    per_block = probe.cache.bytes_held // 8
+    reuse = _reuse(model, budget=10 * per_block)
+    reuse.prefill(document, LAZY)
+    reuse.prefill(_ids(64, 51), LAZY)  # 4 more blocks: the document's tail goes first
+    assert reuse.cache.evictions == 2
+    prompt = torch.cat([document, _ids(30, 52)])
+    warm = reuse.prefill(prompt, LAZY)
+    assert warm.cache.cached_tokens == 96
+    torch.testing.assert_close(warm.logits, _run(model, prompt, LAZY).logits, atol=1e-4, rtol=0)

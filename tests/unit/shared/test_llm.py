@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shared.api.llm import LLM
+from shared.api.llm import LLM, respond
 from shared.engine import OFF, SamplingParams, sample
 
 
@@ -62,3 +62,22 @@ def test_a_short_question_gets_the_unpruned_answer_by_default(llm):
     assert default.text == unpruned.text
     stats = default.generation.stats
     assert stats.token_layers_computed == stats.token_layers_full
+
+
+def test_run_batch_lines_sharing_a_document_prefill_it_once(tiny_llama):
+    """The in-process model (run-batch) with a prefix cache: the second line on a document reports
+    its cached tokens in `usage` and answers as without the cache."""
+    from helpers import random_ids
+
+    from shared.api.serving import COMPLETIONS_URL
+    from shared.engine import PrefixReuse
+
+    document = random_ids(tiny_llama, 300, seed=3)
+    cached = LLM(tiny_llama, prefix=PrefixReuse(tiny_llama.engine, tiny_llama.name, 1 << 30))
+    plain = LLM(tiny_llama)
+    for question in (random_ids(tiny_llama, 20, seed=4), random_ids(tiny_llama, 20, seed=5)):
+        body = {"prompt": document + question, "max_tokens": 8, "temperature": 0}
+        got, expected = respond(cached, COMPLETIONS_URL, body), respond(plain, COMPLETIONS_URL, body)
+        assert got.choices[0].text == expected.choices[0].text
+    assert got.usage.prompt_tokens_details.cached_tokens == 288
+    assert expected.usage.prompt_tokens_details.cached_tokens == 0
