@@ -125,6 +125,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 span.set_attribute("gen_ai.usage.output_tokens", stats.completion_tokens)
                 span.set_attribute("lazyserve.revived_token_layers", stats.revived_token_layers)
                 span.set_attribute("lazyserve.computed_fraction", stats.computed_fraction)
+                span.set_attribute("lazyserve.cached_tokens", stats.cached_tokens)
             span.end()
 
     def _generate(self, request, context, started: list):
