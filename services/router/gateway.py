@@ -428,10 +428,15 @@ class Gateway:
                 408, f"the request body did not arrive within {self.settings.body_timeout_s} s"
             ) from None
         raw = b"".join(chunks)
+        depth = self.settings.max_body_depth
+        if nested_deeper_than(raw, depth):
+            raise RequestError(400, f"the body nests arrays and objects more than {depth} levels deep")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise RequestError(400, f"the body is not valid JSON: {error}") from None
+        except RecursionError:  # the check above bounds nesting first; kept as a backstop
+            raise RequestError(400, "the body nests too deep") from None
         if not isinstance(body, dict):
             raise RequestError(400, "the body must be a JSON object")
         return body
@@ -442,6 +447,26 @@ class Gateway:
             await off_loop(
                 self.records.write, job.request_id, job.record(outcome, error and status_of(error)[1].message)
             )
+
+
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+
+
+def nested_deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether JSON text nests arrays and objects more than `limit` deep, found without parsing
+    it: strings dropped, then every innermost pair removed per pass, all in the regex engine
+    (json.loads recurses once per level, and Python's recursion limit made a 100,000-deep body a
+    500). At most `limit` passes over the brackets, usually a few hundred bytes of them."""
+    brackets = _STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    for _ in range(limit):
+        if not brackets:
+            return False
+        brackets, removed = _INNERMOST.subn(b"", brackets)
+        if not removed:
+            return False  # unbalanced: json.loads says where
+    return bool(brackets)
 
 
 def _validated(schema, body: dict):

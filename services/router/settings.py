@@ -50,6 +50,9 @@ class GatewaySettings(InternalAuthSettings):
     max_in_flight: int = Field(64, ge=1, description="requests in progress; more get 429")
     request_timeout_s: float = Field(600.0, gt=0, description="past this a request ends with 504")
     max_body_bytes: int = Field(4 << 20, ge=1024)
+    max_body_depth: int = Field(
+        64, ge=4, description="nesting of arrays and objects a body may have, checked before it is parsed"
+    )
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this")
     retries: int = Field(1, ge=0, description="retries on another worker before the first token")
     request_record_ttl_s: int = Field(86400, ge=1, description="Redis mode: how long request records are kept")

@@ -220,3 +220,69 @@ def test_no_line_is_lost_or_crashes_run_batch(tiny_llama, tmp_path_factory):
             assert line["response"] is not None or line["error"]["message"], line
 
     check()
+
+
+# Structure, not values: nesting depth, array sizes and key counts at every field, up to the
+# 4 MiB body limit. Before the bound on nesting, a 100,000-deep array was a 500 (json.loads ran
+# out of recursion), and 10,000 wrong list items took 28 s to be refused (errors read in
+# quadratic time).
+FIELDS = ["prompt", "messages", "stop", "stop_token_ids", "logit_bias", "response_format", "pruning", "unknown"]
+
+
+def _nested(depth: int, kind: str) -> str:
+    if kind == "array":
+        return "[" * depth + "1" + "]" * depth
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+def _wide(count: int, field: str) -> str:
+    item = {
+        "prompt": "5",
+        "messages": '{"role":"user","content":"a"}',
+        "stop": '"a"',
+        "stop_token_ids": "5",
+        "response_format": '{"type":"text"}',
+        "pruning": '"off"',
+        "unknown": "[1]",
+    }
+    if field == "logit_bias":
+        return "{" + ",".join(f'"{i}":1' for i in range(count)) + "}"
+    return "[" + ",".join([item[field]] * count) + "]"
+
+
+SHAPES = st.tuples(
+    st.sampled_from(["deep", "wide", "keys"]),
+    st.sampled_from(FIELDS),
+    st.one_of(st.sampled_from([0, 1, 63, 64, 65, 999, 1000, 5000, 100_000, 400_000]), st.integers(0, 3000)),
+    st.sampled_from(["array", "object"]),
+    st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+)
+
+
+def _structured(shape) -> tuple[str, str]:
+    kind, field, size, nesting, url = shape
+    base = '"messages":[{"role":"user","content":"hi"}]' if url.endswith("chat/completions") else '"prompt":"hi"'
+    if kind == "keys":  # many members in the body itself
+        return url, "{" + base + "".join(f',"k{i}":{i}' for i in range(size)) + "}"
+    value = _nested(size, nesting) if kind == "deep" else _wide(size, field)
+    name = "unknown_field" if field == "unknown" else field
+    if name in ("prompt", "messages") and base.startswith(f'"{name}"'):
+        return url, "{" + f'"{name}":{value},"max_tokens":2' + "}"
+    return url, "{" + base + f',"{name}":{value},"max_tokens":2' + "}"
+
+
+def test_no_body_structure_makes_a_server_error_or_a_slow_answer(running):
+    import time
+
+    with httpx.Client(base_url=running.url, timeout=60) as client:
+
+        @SETTINGS
+        @given(shape=SHAPES)
+        def check(shape):
+            url, content = _structured(shape)
+            start = time.monotonic()
+            reply = client.post(url, content=content, headers={"content-type": "application/json"})
+            _answered_well(reply)
+            assert time.monotonic() - start < 10, (shape[:3], reply.status_code, reply.text[:200])
+
+        check()
