@@ -66,7 +66,7 @@ class Dispatcher:
         return prompt_keys(ids or prepared.ids, self.text.name, prepared.pruning, spec.num_layers, prepared.cache_salt)
 
     def choose(self, prepared: Prepared, exclude: set[str], parent: otel_context.Context | None = None) -> Decision:
-        fraction = prepared.pruning.computed_fraction(self.text.spec.num_layers)
+        fraction = prepared.pruning.computed_fraction(self.text.spec.num_layers, len(prepared.ids))
         with tracer.start_as_current_span("route", context=parent) as span:
             matched = None
             if self.prefixes is not None:

@@ -32,11 +32,12 @@ def annotate_request(span, prepared: Prepared, num_layers: int) -> None:
     span.set_attribute("gen_ai.request.top_p", sampling.top_p)
     if sampling.seed is not None:
         span.set_attribute("gen_ai.request.seed", sampling.seed)
-    span.set_attribute("lazyserve.pruning.mode", pruning.mode)
+    span.set_attribute("lazyserve.pruning.mode", pruning.for_prompt(len(prepared.ids)).mode)
     span.set_attribute("lazyserve.pruning.label", prepared.pruning_label)
     span.set_attribute("lazyserve.pruning.stage_layers", [layer for layer, _ in pruning.stages])
     span.set_attribute("lazyserve.pruning.stage_keep", [keep for _, keep in pruning.stages])
-    span.set_attribute("lazyserve.pruning.predicted_computed_fraction", pruning.computed_fraction(num_layers))
+    fraction = pruning.computed_fraction(num_layers, len(prepared.ids))
+    span.set_attribute("lazyserve.pruning.predicted_computed_fraction", fraction)
 
 
 def annotate_decision(span, decision: Decision, policy: str) -> None:

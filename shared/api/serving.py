@@ -158,8 +158,10 @@ def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) 
             code="context_length_exceeded",
         )
     try:
-        # As it applies to this prompt: a preset's min_prompt_tokens turns it off for short ones.
-        pruning = llm.resolve_pruning(request.pruning).for_prompt(len(ids))
+        # As named, not as it applies to this prompt: the engine turns a schedule off for prompts
+        # under its min_prompt_tokens itself, and the prefix cache files a short first turn under
+        # the schedule's layers, so that the conversation's later, pruned turns find it.
+        pruning = llm.resolve_pruning(request.pruning)
     except ValueError as error:
         raise RequestError(400, f"bad pruning config: {error}", param="pruning") from None
     label = request.pruning if isinstance(request.pruning, str) else "custom" if request.pruning else llm.default_preset

@@ -74,7 +74,7 @@ class PrefillRun:
         if prefix is not None:
             if prefix.layers != held:
                 raise ValueError(f"a prefix of {prefix.layers} layers for a schedule that shares {held}")
-            if not 0 < prefix.tokens <= n - max(config.window, 1):
+            if not 0 < prefix.tokens <= n - max(config.for_prompt(n).window, 1):
                 raise ValueError(f"a prefix of {prefix.tokens} tokens leaves no query window in {n}")
         self.prefix, self.held = prefix, held
         self.config = config.for_prompt(n)

@@ -52,7 +52,8 @@ class PrefixReuse:
         The hit leaves at least the query window (and one token) to compute."""
         n = ids.shape[0]
         keys = self.keys(ids.tolist(), config, salt)
-        hit = self.cache.lookup(keys, n - max(config.window, 1))
+        # The query window applies where the schedule does: an unpruned short prompt needs one token.
+        hit = self.cache.lookup(keys, n - max(config.for_prompt(n).window, 1))
         self.queried_tokens += n
         self.hit_tokens += 0 if hit is None else hit.tokens
         try:

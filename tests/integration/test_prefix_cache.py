@@ -231,3 +231,18 @@ def test_through_up_a_repeated_document_and_a_second_turn_are_cached(tiny_llama)
         process.terminate()
         process.wait(timeout=60)
         kill_sessions({process.pid})
+
+
+def test_a_short_first_turn_is_found_by_the_long_pruned_turn_after_it(stack, tiny_llama):
+    """The default preset leaves prompts under 1024 tokens unpruned; the gateway still files the
+    first turn under the preset's layers, so the second turn, over 1024 and pruned, finds it."""
+    client = stack().openai()
+    first = random_ids(tiny_llama, 700, seed=21)
+    reply, _ = _ask(client, first)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    answer = _expected(tiny_llama, first)
+    turn = first + answer + random_ids(tiny_llama, 400, seed=22)
+    assert len(turn) > preset("default", tiny_llama.engine.spec.num_layers).min_prompt_tokens
+    second, _ = _ask(client, turn)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 700 // 32 * 32
+    assert second.choices[0].text == tiny_llama.tokenizer.decode(_expected(tiny_llama, turn), skip_special_tokens=True)
