@@ -65,6 +65,7 @@ class Sequence:
     # For the prefix cache: the prompt, and the tenant it is cached under.
     prompt_ids: list[int] = field(default_factory=list)
     cache_salt: str = ""
+    depths: bool = False  # a local prefill's first choice reports token depths (return_token_depths)
 
     def __post_init__(self):
         self.family = self.family or [self]
@@ -237,6 +238,7 @@ class Scheduler:
         fill_prefill_stats(stats, run.cache, time.perf_counter() - sequence.prefill_started)
         # Every choice decodes from the one prefill and joins the batch from here.
         decodings = choice_decodings(run.cache, run.config, sequence.params, sequence.prompt_ids, self.grammars, stats)
+        decodings[0].depths = sequence.depths
         siblings = [sequence] + [
             Sequence(
                 sequence.request_id,

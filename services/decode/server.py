@@ -183,6 +183,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 )
             except GrammarError as error:
                 raise InvalidArgument(f"sampling.grammar: {error}") from None
+            decodings[0].depths = request.return_token_depths
             if self.prefix is not None:  # now, not when it finishes: the next question may come first
                 self._remember_transfer(assembled, request.cache_salt)
             return Sequence.resumed(
@@ -200,7 +201,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 run = PrefillRun(self.model, ids, config, reserve=params.max_new_tokens)
             else:
                 run = self.prefix.start(ids, config, request.cache_salt, reserve=params.max_new_tokens)
-            return [Sequence.local(request_id, run, params, request.cache_salt)]
+            sequence = Sequence.local(request_id, run, params, request.cache_salt)
+            sequence.depths = request.return_token_depths
+            return [sequence]
         raise InvalidArgument("GenerateRequest needs a transfer_id or a prompt")
 
     def _remember_transfer(self, assembled, salt: str) -> None:

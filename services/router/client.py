@@ -118,6 +118,7 @@ async def generate_on(
     deadline: float,
     parent: otel_context.Context | None = None,
     cache_salt: str = "",
+    token_depths: bool = False,
 ) -> AsyncIterator[Prefilled | Tokens | Finished]:
     """One attempt at a request on these workers (deadline: time.monotonic() based); cache_salt:
     the prefix cache's tenant (the gateway's, from the API key)."""
@@ -128,6 +129,7 @@ async def generate_on(
             request_id=request_id,
             prompt=pb.LocalPrompt(prompt_ids=ids, pruning=pruning_pb, sampling=sampling_pb),
             cache_salt=cache_salt,
+            return_token_depths=token_depths,
         )
     else:
         transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
@@ -164,7 +166,9 @@ async def generate_on(
         for index, token in enumerate(reply.first_tokens):
             if token not in sampling.stop_token_ids:
                 yield Tokens([token], stats, logprobs[index : index + 1] or None, index)
-        request = pb.GenerateRequest(request_id=request_id, transfer_id=transfer_id, cache_salt=cache_salt)
+        request = pb.GenerateRequest(
+            request_id=request_id, transfer_id=transfer_id, cache_salt=cache_salt, return_token_depths=token_depths
+        )
     span = tracer.start_span("decode", context=parent, kind=SpanKind.CLIENT)
     span.set_attribute("server.address", decode.address)
     stub = pb_grpc.DecodeServiceStub(channels.get(decode.address))

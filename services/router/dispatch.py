@@ -130,6 +130,7 @@ class Dispatcher:
                     deadline,
                     parent,
                     cache_salt=prepared.cache_salt,
+                    token_depths=prepared.token_depths,
                 )
                 answer: list[int] = []  # the first choice's tokens: with the prompt, the next turn's start
                 async with aclosing(attempt_events) as events:

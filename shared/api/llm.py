@@ -72,7 +72,9 @@ class LLM(TextModel):
         [completion] = self.complete_choices(ids, sampling, pruning, stop)
         return completion
 
-    def complete_choices(self, ids, sampling: SamplingParams, pruning: PruneConfig, stop=None) -> list[Completion]:
+    def complete_choices(
+        self, ids, sampling: SamplingParams, pruning: PruneConfig, stop=None, depths: bool = False
+    ) -> list[Completion]:
         """Every choice (sampling.n) decoded from one prefill, each with its own copy of the cache."""
         pruning.check_for(self.engine.spec.num_layers)
         start = time.perf_counter()
@@ -81,7 +83,9 @@ class LLM(TextModel):
         stats = Stats()
         fill_prefill_stats(stats, cache, time.perf_counter() - start)
         completions = []
-        for decoding in choice_decodings(cache, pruning, sampling, ids, self.loaded.grammars, stats):
+        decodings = choice_decodings(cache, pruning, sampling, ids, self.loaded.grammars, stats)
+        decodings[0].depths = depths  # return_token_depths: the first choice reports them
+        for decoding in decodings:
             completion = Completion(generation=decoding.generation)
             tokens = run_decoding(self.engine, decoding, logits)
             for _ in _read(tokens, Detokenizer(self.tokenizer, stop), completion):
@@ -114,7 +118,9 @@ def respond(llm: LLM, url: str, body: dict) -> ChatCompletion | TextCompletion:
     outputs, stats, cached = [], [], 0
     all_prepared = prepare_all(llm, request)
     for prepared in all_prepared:  # each prompt of a list, each with its n choices
-        completions = llm.complete_choices(prepared.ids, prepared.sampling, prepared.pruning, prepared.stop)
+        completions = llm.complete_choices(
+            prepared.ids, prepared.sampling, prepared.pruning, prepared.stop, prepared.token_depths
+        )
         outputs += [
             Output(prepared.echo + c.text, c.finish_reason, c.generation.logprobs[: c.num_read], len(prepared.echo))
             for c in completions

@@ -19,6 +19,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -103,6 +104,11 @@ class _Request(BaseModel):
     response_format: ResponseFormat | None = None
     pruning: PruningField | None = Field(
         None, description="a preset name or a schedule; absent: the server's default preset (pruning_preset)"
+    )
+    return_token_depths: StrictBool = Field(
+        False,
+        description="lazyserve's: metrics.token_depths (each prompt token's layers at the end) and "
+        "metrics.revived_positions, for prompts of up to MAX_DEPTH_TOKENS tokens",
     )
 
     @model_validator(mode="before")
@@ -272,7 +278,19 @@ class Metrics(BaseModel):
     kv_cache_bytes: int
     aux_cache_bytes: int
     cached_tokens: int
+    # Only with return_token_depths (absent otherwise): per prompt token its depth (layers it was
+    # computed at, prefill and decode together) and the prompt positions decode revived.
+    token_depths: list[int] | None = None
+    revived_positions: list[int] | None = None
     pruning: str
+
+    @model_serializer(mode="wrap")
+    def _without_unasked(self, handler):
+        data = handler(self)
+        for name in ("token_depths", "revived_positions"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
 
 
 class ChatMessageOut(BaseModel):

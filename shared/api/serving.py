@@ -106,6 +106,7 @@ class Prepared:
     stop: list[str]
     echo: str = ""  # completions with echo: the prompt's text, put before the output
     cache_salt: str = ""  # the prefix cache's tenant, set by the gateway from the API key
+    token_depths: bool = False  # return_token_depths
 
 
 def prepare_all(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) -> list[Prepared]:
@@ -145,6 +146,12 @@ def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) 
         ids = llm.prompt_ids(request.prompt)
     if not ids:
         raise RequestError(400, "the prompt is empty", param="prompt")
+    if request.return_token_depths and len(ids) > MAX_DEPTH_TOKENS:
+        raise RequestError(
+            400,
+            f"return_token_depths is for prompts of up to {MAX_DEPTH_TOKENS} tokens; this one has {len(ids)}",
+            param="return_token_depths",
+        )
     room = llm.max_positions - len(ids)
     max_tokens = request.requested_max_tokens
     if max_tokens is None:
@@ -185,7 +192,7 @@ def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) 
     echo = ""
     if isinstance(request, CompletionRequest) and request.echo:
         echo = request.prompt if isinstance(request.prompt, str) else llm.tokenizer.decode(ids)
-    return Prepared(ids, sampling, pruning, label, request.stop_strings, echo)
+    return Prepared(ids, sampling, pruning, label, request.stop_strings, echo, token_depths=request.return_token_depths)
 
 
 def grammar_of(response_format: ResponseFormat | None) -> str | None:
@@ -233,11 +240,15 @@ def _min_tokens(request, max_tokens: int) -> int:
 
 
 USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
+MAX_DEPTH_TOKENS = 4096  # return_token_depths: two numbers per prompt token in the response
 
 
 def metrics_of(stats: Stats, pruning_label: str) -> Metrics:
-    """Stats as the response's `metrics`: every field but the token counts (those are `usage`)."""
+    """Stats as the response's `metrics`: every field but the token counts (those are `usage`);
+    token depths only when they were asked for (and so filled)."""
     figures = {name: value for name, value in stats.to_dict().items() if name not in USAGE_FIELDS}
+    if not figures["token_depths"]:
+        figures["token_depths"] = figures["revived_positions"] = None
     return Metrics(**figures, pruning=pruning_label)
 
 

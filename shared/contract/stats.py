@@ -21,6 +21,10 @@ class Stats:
     aux_cache_bytes: int = 0
     # Prompt tokens whose shared layers came from a prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
     cached_tokens: int = 0
+    # With return_token_depths: per prompt token, the layers it was computed at when the request
+    # ended, and the prompt positions decode revived.
+    token_depths: list[int] = field(default_factory=list)
+    revived_positions: list[int] = field(default_factory=list)
 
     @property
     def computed_fraction(self) -> float:

@@ -90,6 +90,7 @@ class _Rows:
         waiting = cache.aux[index].positions
         revived = waiting[live[waiting]] if waiting.shape[0] else waiting
         if revived.shape[0]:
+            cache.revived.update(revived.tolist())
             rows = torch.cat([revived, rows])
             h = torch.cat([cache.revive(index, revived), h])
             order = torch.argsort(rows)

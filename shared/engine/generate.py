@@ -29,7 +29,11 @@ class Generation:
     logprobs: list[Sampled] = field(default_factory=list)  # with params.logprobs: one per token
 
 
-def fill_cache_stats(stats: Stats, cache: LazyCache, num_layers: int) -> None:
+def fill_cache_stats(stats: Stats, cache: LazyCache, num_layers: int, depths: bool = False) -> None:
+    """depths: also each prompt token's depth and the revived positions (return_token_depths)."""
+    if depths:
+        stats.token_depths = cache.depth[: cache.num_prompt].tolist()
+        stats.revived_positions = sorted(cache.revived)
     stats.token_layers_computed = cache.computed_token_layers
     stats.token_layers_full = num_layers * cache.length
     stats.revived_token_layers = cache.revived_token_layers
@@ -58,6 +62,7 @@ class Decoding:
         self.sampler = sampler or Sampler(params, prompt_ids=prompt_ids)
         self.next_token: int | None = None  # chosen and not yet fed to the model
         self.done = False
+        self.depths = False  # report token depths in the stats at the end (return_token_depths)
         self._start = time.perf_counter()
 
     def accept(self, sampled: Sampled | int) -> bool:
@@ -87,7 +92,7 @@ class Decoding:
     def close(self, num_layers: int) -> None:
         """Fill the stats; also when the consumer stops early (a stop string, a cancelled request)."""
         self.generation.stats.decode_s = time.perf_counter() - self._start
-        fill_cache_stats(self.generation.stats, self.cache, num_layers)
+        fill_cache_stats(self.generation.stats, self.cache, num_layers, self.depths)
 
 
 def decode_tokens(

@@ -103,7 +103,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, chosen: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_s", "decode_s", "prefill_token_layers", "token_layers_computed", "token_layers_full", "revived_token_layers", "kept_per_layer", "kv_cache_bytes", "aux_cache_bytes", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_s", "decode_s", "prefill_token_layers", "token_layers_computed", "token_layers_full", "revived_token_layers", "kept_per_layer", "kv_cache_bytes", "aux_cache_bytes", "cached_tokens", "token_depths", "revived_positions")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,8 @@ class GenerationStats(_message.Message):
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     AUX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    REVIVED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     ttft_s: float
@@ -128,7 +130,9 @@ class GenerationStats(_message.Message):
     kv_cache_bytes: int
     aux_cache_bytes: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_token_layers: _Optional[int] = ..., token_layers_computed: _Optional[int] = ..., token_layers_full: _Optional[int] = ..., revived_token_layers: _Optional[int] = ..., kept_per_layer: _Optional[_Iterable[int]] = ..., kv_cache_bytes: _Optional[int] = ..., aux_cache_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    token_depths: _containers.RepeatedScalarFieldContainer[int]
+    revived_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_token_layers: _Optional[int] = ..., token_layers_computed: _Optional[int] = ..., token_layers_full: _Optional[int] = ..., revived_token_layers: _Optional[int] = ..., kept_per_layer: _Optional[_Iterable[int]] = ..., kv_cache_bytes: _Optional[int] = ..., aux_cache_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., token_depths: _Optional[_Iterable[int]] = ..., revived_positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -281,16 +285,18 @@ class LocalPrompt(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "prompt", "cache_salt")
+    __slots__ = ("request_id", "transfer_id", "prompt", "cache_salt", "return_token_depths")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_DEPTHS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     prompt: LocalPrompt
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt: _Optional[_Union[LocalPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    return_token_depths: bool
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt: _Optional[_Union[LocalPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., return_token_depths: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "stats", "logprobs", "index")

@@ -96,7 +96,18 @@ class Script:
         self.plan, self.calls = list(plan), []
 
     async def __call__(
-        self, channels, decode, prefill, ids, pruning, sampling, request_id, deadline, parent=None, cache_salt=""
+        self,
+        channels,
+        decode,
+        prefill,
+        ids,
+        pruning,
+        sampling,
+        request_id,
+        deadline,
+        parent=None,
+        cache_salt="",
+        token_depths=False,
     ):
         tokens, failure = self.plan[len(self.calls)]
         self.calls.append(decode.worker_id)

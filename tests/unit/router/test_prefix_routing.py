@@ -93,7 +93,18 @@ class Conversation:
         self.calls: list[tuple[str, str | None, str]] = []  # (decode, prefill, salt)
 
     async def __call__(
-        self, channels, decode, prefill, ids, pruning, sampling, request_id, deadline, parent=None, cache_salt=""
+        self,
+        channels,
+        decode,
+        prefill,
+        ids,
+        pruning,
+        sampling,
+        request_id,
+        deadline,
+        parent=None,
+        cache_salt="",
+        token_depths=False,
     ):
         self.calls.append((decode.worker_id, prefill and prefill.worker_id, cache_salt))
         if prefill is not None:

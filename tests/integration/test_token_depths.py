@@ -1,0 +1,75 @@
+"""`return_token_depths` (lazyserve's): each prompt token's depth at the end of the request and the
+positions decode revived, equal to the cache's own after the same request in one process, on both
+routes (local prefill, prefill worker to decode worker) and in run-batch; nothing when not asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_ids
+
+from shared.api.llm import LLM, respond
+from shared.api.serving import COMPLETIONS_URL
+from shared.contract import PruneConfig
+from shared.engine import Generation, SamplingParams, decode_tokens, prefill
+
+# Pruned from the first token on (no minimum), with decode re-selection: revivals happen.
+SCHEDULE = {"stages": [[2, 0.3]], "window": 4, "min_prompt_tokens": 0}
+TOKENS = 12
+
+
+def _in_process(loaded, ids: list[int]) -> tuple[list[int], list[int], list[int]]:
+    config = PruneConfig(**SCHEDULE)
+    cache, logits = prefill(loaded.engine, torch.tensor(ids), config, reserve=TOKENS)
+    params = SamplingParams(max_new_tokens=TOKENS, stop_token_ids=loaded.stop_token_ids)
+    tokens = list(decode_tokens(loaded.engine, cache, logits, config, params, Generation()))
+    return cache.depth[: len(ids)].tolist(), sorted(cache.revived), tokens
+
+
+@pytest.fixture
+def running(tiny_llama, decode_worker, prefill_worker, gateway):
+    decode, _ = decode_worker(tiny_llama)
+    prefill = prefill_worker(tiny_llama)
+    return gateway(prefill_workers=[prefill.address], decode_workers=[decode.address], local_threshold=200)
+
+
+@pytest.mark.parametrize(("length", "route"), [(120, "local"), (400, "disaggregated")])
+def test_depths_on_both_routes_equal_the_caches(running, tiny_llama, length, route):
+    client = running.openai()
+    ids = random_ids(tiny_llama, length, seed=length)
+    body = {"pruning": SCHEDULE, "return_token_depths": True}
+    raw = client.completions.with_raw_response.create(
+        model="tiny-llama", prompt=ids, max_tokens=TOKENS, temperature=0, extra_body=body
+    )
+    assert raw.headers["x-lazyserve-route"] == route
+    metrics = raw.parse().model_extra["metrics"]
+    depths, revived, _ = _in_process(tiny_llama, ids)
+    assert metrics["token_depths"] == depths and len(depths) == length
+    assert metrics["revived_positions"] == revived
+    assert revived, "this schedule revives tokens during decode"
+    assert min(depths) == 3 and max(depths) == tiny_llama.engine.spec.num_layers  # cut after layer 2
+    # Not asked: not there.
+    plain = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=2, extra_body={"pruning": SCHEDULE})
+    assert "token_depths" not in plain.model_extra["metrics"]
+    assert "revived_positions" not in plain.model_extra["metrics"]
+
+
+def test_run_batch_reports_them_too(tiny_llama):
+    ids = random_ids(tiny_llama, 150, seed=3)
+    body = {"prompt": ids, "max_tokens": TOKENS, "temperature": 0, "pruning": SCHEDULE, "return_token_depths": True}
+    metrics = respond(LLM(tiny_llama), COMPLETIONS_URL, body).model_dump()["metrics"]
+    depths, revived, _ = _in_process(tiny_llama, ids)
+    assert (metrics["token_depths"], metrics["revived_positions"]) == (depths, revived)
+
+
+def test_too_long_a_prompt_for_depths_is_a_400():
+    from shared.api.serving import MAX_DEPTH_TOKENS, RequestError, parse_request, prepare
+    from shared.models.text import load_text_model
+
+    text = load_text_model("SmolLM2-135M-Instruct")  # a context over the limit
+    request = parse_request(COMPLETIONS_URL, {"prompt": [5] * (MAX_DEPTH_TOKENS + 1), "return_token_depths": True})
+    with pytest.raises(RequestError) as error:
+        prepare(text, request)
+    assert error.value.status_code == 400 and error.value.param == "return_token_depths"
+    request = parse_request(COMPLETIONS_URL, {"prompt": [5] * MAX_DEPTH_TOKENS, "return_token_depths": True})
+    assert prepare(text, request).token_depths
