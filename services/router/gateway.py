@@ -46,7 +46,7 @@ from services.router.tracing import (
     finish_request_span,
     start_request_span,
 )
-from services.router.workers import RedisWorkers, StaticWorkers, Workers
+from services.router.workers import DECODE_TOKENS, PREFILL_COST, RedisWorkers, StaticWorkers, Workers
 from shared.api.logprobs import LogprobFormatter
 from shared.api.schemas import (
     DetokenizeRequest,
@@ -158,6 +158,7 @@ class Gateway:
             app.head(path, include_in_schema=False)(probe)  # HEAD: what load balancers probe
         app.get("/metrics")(self.prometheus)
         app.get("/version")(self.version)
+        app.get("/status")(self.status)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         return app
@@ -203,6 +204,39 @@ class Gateway:
             return JSONResponse({"status": "no decode worker"}, status_code=503)
         prefillers = [w for w in live if w.role == "prefill" and w.model == name]
         return {"status": "ready", "decode_workers": len(decoders), "prefill_workers": len(prefillers)}
+
+    async def status(self, request: Request):
+        """What a person watching the service wants every few seconds (the page's service view):
+        requests in flight, the last minute's TTFT p50/p95 and tokens/s, the default pruning
+        preset, and every worker with its outstanding load and whether it answers. The same
+        figures /metrics exports, as JSON. Behind the API key when keys are on."""
+        try:
+            await self.authorize(request)
+            live = await off_loop(self.workers.list)
+            loads = await off_loop(lambda: (self.workers.loads(DECODE_TOKENS), self.workers.loads(PREFILL_COST)))
+        except Exception as error:
+            return self.error_response(error)
+        decoders = [w for w in live if w.role == "decode"]
+        answers = await asyncio.gather(*(decode_status(self.dispatcher.channels, w, timeout=1.0) for w in decoders))
+        health = {entry["address"]: "error" not in entry for entry in answers}
+        workers = [
+            {
+                "role": w.role,
+                "address": w.address,
+                "dtype": w.dtype or None,
+                "load": loads[0 if w.role == "decode" else 1].get(w.worker_id, 0.0),
+                "load_unit": "tokens to generate" if w.role == "decode" else "predicted prefill token-layers",
+                "healthy": health.get(w.address) if w.role == "decode" else None,  # prefill: not asked
+            }
+            for w in live
+        ]
+        return {
+            "in_flight": self.admission.in_flight,
+            "pruning_preset": self.text.default_preset,
+            "prefix_caching": self.settings.engine.enable_prefix_caching,
+            "recent": self.metrics.recent.snapshot(),
+            "workers": workers,
+        }
 
     async def version(self):
         """The release, and what each decode worker runs (dtype, device, threads): `--dtype auto`

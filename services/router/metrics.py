@@ -2,14 +2,54 @@
 
 from __future__ import annotations
 
+import statistics
+import threading
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 
 
+class Recent:
+    """The last minute's TTFTs and generated tokens, for `GET /status` (a page polls it every few
+    seconds). Prometheus' histograms answer over all time; a rate over a window is PromQL's job,
+    and the page must work without a Prometheus server. Bounded: at most `limit` events kept."""
+
+    def __init__(self, window_s: float = 60.0, limit: int = 100_000):
+        self.window_s = window_s
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=limit)
+        self._tokens: deque[tuple[float, int]] = deque(maxlen=limit)
+        self._lock = threading.Lock()
+
+    def ttft(self, seconds: float) -> None:
+        with self._lock:
+            self._ttfts.append((time.monotonic(), seconds))
+
+    def tokens(self, count: int) -> None:
+        with self._lock:
+            self._tokens.append((time.monotonic(), count))
+
+    def snapshot(self) -> dict:
+        since = time.monotonic() - self.window_s
+        with self._lock:
+            ttfts = sorted(value for at, value in self._ttfts if at >= since)
+            tokens = sum(count for at, count in self._tokens if at >= since)
+        quantiles = statistics.quantiles(ttfts, n=20, method="inclusive") if len(ttfts) > 1 else ttfts * 19
+        return {
+            "window_s": self.window_s,
+            "requests": len(ttfts),
+            "ttft_p50_s": quantiles[9] if ttfts else None,
+            "ttft_p95_s": quantiles[18] if ttfts else None,
+            "tokens_per_s": tokens / self.window_s,
+        }
+
+
 class GatewayMetrics:
     def __init__(self):
+        self.recent = Recent()
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram(
             "lazyserve_ttft_seconds", "time to first token, as the gateway saw it", buckets=LATENCY_BUCKETS, registry=r

@@ -96,6 +96,7 @@ class TextJob:
                     if last is None:
                         self.ttft_s = now - self.start
                         self.metrics.ttft.observe(self.ttft_s)
+                        self.metrics.recent.ttft(self.ttft_s)
                     else:
                         self.metrics.itl.observe((now - last) / len(event.ids))
                     last = now
@@ -123,6 +124,7 @@ class TextJob:
         self.metrics.e2e.observe(time.monotonic() - self.start)
         self.metrics.prompt_tokens.inc(self.stats.prompt_tokens)
         self.metrics.completion_tokens.inc(self.stats.completion_tokens)
+        self.metrics.recent.tokens(self.stats.completion_tokens)
         if self.stats.token_layers_full:
             self.metrics.computed_fraction.observe(self.stats.computed_fraction)
 

@@ -1,6 +1,7 @@
 """`return_token_depths` (lazyserve's): each prompt token's depth at the end of the request and the
 positions decode revived, equal to the cache's own after the same request in one process, on both
-routes (local prefill, prefill worker to decode worker) and in run-batch; nothing when not asked."""
+routes (local prefill, prefill worker to decode worker) and in run-batch; nothing when not asked.
+And `GET /status`, the small JSON view of the service the page will poll."""
 
 from __future__ import annotations
 
@@ -73,3 +74,18 @@ def test_too_long_a_prompt_for_depths_is_a_400():
     assert error.value.status_code == 400 and error.value.param == "return_token_depths"
     request = parse_request(COMPLETIONS_URL, {"prompt": [5] * MAX_DEPTH_TOKENS, "return_token_depths": True})
     assert prepare(text, request).token_depths
+
+
+def test_the_status_endpoint_shows_the_last_minute_and_the_workers(running, tiny_llama):
+    import httpx
+
+    client = running.openai()
+    for seed in (1, 2, 3):
+        client.completions.create(model="tiny-llama", prompt=random_ids(tiny_llama, 50, seed=seed), max_tokens=4)
+    status = httpx.get(f"{running.url}/status", timeout=10).json()
+    recent = status["recent"]
+    assert recent["requests"] == 3 and 0 < recent["ttft_p50_s"] <= recent["ttft_p95_s"]
+    assert recent["tokens_per_s"] == pytest.approx(12 / recent["window_s"])
+    assert status["in_flight"] == 0 and status["pruning_preset"] == "default"
+    roles = sorted((w["role"], w["healthy"]) for w in status["workers"])
+    assert roles == [("decode", True), ("prefill", None)]
