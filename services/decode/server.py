@@ -40,9 +40,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, loaded: LoadedModel, settings: DecodeSettings):
         self.loaded, self.model = loaded, loaded.engine
         self.transfers = TransferTable(settings.max_transfers, settings.transfer_timeout_s, settings.claim_timeout_s)
-        self.prefix = PrefixReuse.configured(
-            loaded.engine, loaded.name, settings.engine
-        )  # None: --no-enable-prefix-caching
+        # None: --no-enable-prefix-caching.
+        self.prefix = PrefixReuse.configured(loaded.engine, loaded.name, settings.engine)
         self.scheduler = Scheduler(
             self.model,
             settings.max_sequences,

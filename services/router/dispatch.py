@@ -65,13 +65,20 @@ class Dispatcher:
         spec = self.text.spec
         return prompt_keys(ids or prepared.ids, self.text.name, prepared.pruning, spec.num_layers, prepared.cache_salt)
 
-    def choose(self, prepared: Prepared, exclude: set[str], parent: otel_context.Context | None = None) -> Decision:
+    def choose(
+        self,
+        prepared: Prepared,
+        exclude: set[str],
+        parent: otel_context.Context | None = None,
+        keys: list[bytes] | None = None,
+    ) -> Decision:
+        """keys: the prompt's block keys (`keys`), when the gateway routes by cache."""
         fraction = prepared.pruning.computed_fraction(self.text.spec.num_layers, len(prepared.ids))
         with tracer.start_as_current_span("route", context=parent) as span:
             matched = None
             if self.prefixes is not None:
                 try:
-                    blocks = self.prefixes.matches(self.keys(prepared))
+                    blocks = self.prefixes.matches(keys if keys is not None else self.keys(prepared))
                 except Exception as error:  # an index that cannot answer (Redis blip) routes by load
                     log.warning("prefix index lookup failed: %s", error)
                     blocks = {}
@@ -105,10 +112,12 @@ class Dispatcher:
     ) -> AsyncIterator[Tokens | Finished]:
         exclude: set[str] = set()
         attempt = 0
+        # Hashed once, off the event loop: every attempt's routing and the index record use them.
+        keys = await off_loop(self.keys, prepared) if self.prefixes is not None else []
         while True:
             try:
                 # The worker list may come from Redis: a blocking call, kept off the event loop.
-                decision = await off_loop(self.choose, prepared, exclude, parent)
+                decision = await off_loop(self.choose, prepared, exclude, parent, keys)
             except NoWorkerError:
                 if attempt == 0:
                     raise
@@ -141,7 +150,7 @@ class Dispatcher:
                             continue
                         if isinstance(event, Tokens) and event.index == 0:
                             if event.stats is not None and not emitted:
-                                self._prefilled(decision, prepared, event.stats)
+                                self._prefilled(decision, keys, event.stats)
                             answer += event.ids
                         elif isinstance(event, Finished) and event.index == 0:
                             in_background(self._finished, decision, prepared, answer)
@@ -162,14 +171,13 @@ class Dispatcher:
             finally:
                 in_background(self._add_load, decision, -1)  # also while this task is being cancelled
 
-    def _prefilled(self, decision: Decision, prepared: Prepared, stats) -> None:
+    def _prefilled(self, decision: Decision, keys: list[bytes], stats) -> None:
         """The prompt is prefilled: count what the cache gave, and note who holds the prompt now."""
         prefiller = decision.prefill or decision.decode
         self.metrics.prefix_queried.labels(prefiller.address).inc(stats.prompt_tokens)
         self.metrics.prefix_hit.labels(prefiller.address).inc(stats.cached_tokens)
         if self.prefixes is None:
             return
-        keys = self.keys(prepared)
         # The decode worker caches a transferred prompt when it claims it, right after this.
         holders = [decision.decode] if decision.prefill is None else [decision.prefill, decision.decode]
         in_background(self._record, keys, holders)

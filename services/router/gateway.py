@@ -216,8 +216,7 @@ class Gateway:
             loads = await off_loop(lambda: (self.workers.loads(DECODE_TOKENS), self.workers.loads(PREFILL_COST)))
         except Exception as error:
             return self.error_response(error)
-        decoders = [w for w in live if w.role == "decode"]
-        answers = await asyncio.gather(*(decode_status(self.dispatcher.channels, w, timeout=1.0) for w in decoders))
+        answers = await self._decode_statuses(live, timeout=1.0)
         health = {entry["address"]: "error" not in entry for entry in answers}
         workers = [
             {
@@ -245,10 +244,13 @@ class Gateway:
             live = await off_loop(self.workers.list)
         except Exception as error:
             return self.error_response(error)
+        return {"version": __version__, "decode_workers": await self._decode_statuses(live)}
+
+    async def _decode_statuses(self, live, timeout: float = 2.0) -> list[dict]:
+        """Every live decode worker's Status, asked at once (an error entry for one that does not answer)."""
         decoders = [w for w in live if w.role == "decode"]
         channels = self.dispatcher.channels
-        workers = await asyncio.gather(*(decode_status(channels, worker) for worker in decoders))
-        return {"version": __version__, "decode_workers": list(workers)}
+        return list(await asyncio.gather(*(decode_status(channels, w, timeout=timeout) for w in decoders)))
 
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: the ids a prompt (or chat messages, templated) becomes here."""
@@ -296,9 +298,7 @@ class Gateway:
             live = await off_loop(self.workers.list)
         except Exception:  # Redis down: /metrics still answers with what it has
             return
-        decoders = [w for w in live if w.role == "decode"]
-        channels = self.dispatcher.channels
-        for entry in await asyncio.gather(*(decode_status(channels, w, timeout=1.0) for w in decoders)):
+        for entry in await self._decode_statuses(live, timeout=1.0):
             if "prefix_cache" in entry:
                 self.metrics.prefix_bytes.labels(entry["address"]).set(entry["prefix_cache"]["bytes_held"])
                 self.metrics.prefix_evictions.labels(entry["address"]).set(entry["prefix_cache"]["evictions"])

@@ -133,9 +133,12 @@ class PrefixCache:
     def touch(self, keys: list[bytes]) -> None:
         """Mark the held blocks of `keys` used, tail first (the head ends up the most recent)."""
         with self._lock:
-            for key in reversed(keys):
-                if key in self._entries:
-                    self._entries.move_to_end(key)
+            self._touch(keys)
+
+    def _touch(self, keys: list[bytes]) -> None:
+        for key in reversed(keys):
+            if key in self._entries:
+                self._entries.move_to_end(key)
 
     def insert(
         self, keys: list[bytes], k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None, first: int = 0
@@ -150,10 +153,7 @@ class PrefixCache:
             fresh = fresh[: self.budget_bytes // per_block] if per_block else fresh  # the head first
             if fresh:
                 self._add(keys, fresh, first, k, v, hidden)
-            # Tail first, so that the chain's head ends up the most recently used.
-            for key in reversed(keys):
-                if key in self._entries:
-                    self._entries.move_to_end(key)
+            self._touch(keys)  # tail first, so that the chain's head ends up the most recently used
             self._evict()
         return len(fresh)
 
@@ -163,15 +163,7 @@ class PrefixCache:
         # One copy per tensor for every new block (a slice would keep the prompt's buffers alive).
         chunk_k, chunk_v = k.index_select(2, rows), v.index_select(2, rows)
         chunk_h = None if hidden is None else hidden.index_select(0, rows)
-        chunk = Chunk(sum(t.numel() * t.element_size() for t in (chunk_k, chunk_v, chunk_h) if t is not None), set())
-        for j, i in enumerate(fresh):
-            block = slice(j * b, (j + 1) * b)
-            entry = Entry(
-                chunk_k[:, :, block], chunk_v[:, :, block], None if chunk_h is None else chunk_h[block], chunk
-            )
-            self._entries[keys[i]] = entry
-            chunk.keys.add(keys[i])
-        self.bytes_held += chunk.nbytes
+        self._place([keys[i] for i in fresh], chunk_k, chunk_v, chunk_h)
 
     def _evict(self) -> None:
         """Drop unpinned entries, least recently used first, until within the budget. A chunk that
@@ -197,21 +189,24 @@ class PrefixCache:
                 self._compact(chunk)
 
     def _compact(self, chunk: Chunk) -> None:
-        """The survivors of a partly evicted chunk into one of their own size."""
+        """The survivors of a partly evicted chunk into one of their own size (pins kept)."""
         keys = list(chunk.keys)
         entries = [self._entries[key] for key in keys]
-        b = self.block_tokens
         chunk_k = torch.cat([e.k for e in entries], dim=2)
         chunk_v = torch.cat([e.v for e in entries], dim=2)
         chunk_h = None if entries[0].hidden is None else torch.cat([e.hidden for e in entries])
-        fresh = Chunk(
-            sum(t.numel() * t.element_size() for t in (chunk_k, chunk_v, chunk_h) if t is not None), set(keys)
-        )
-        for j, entry in enumerate(entries):
+        self._place(keys, chunk_k, chunk_v, chunk_h, [e.pins for e in entries])
+
+    def _place(self, keys: list[bytes], k, v, hidden, pins: list[int] | None = None) -> None:
+        """Entries for `keys`, views of consecutive blocks of one new chunk (an existing key keeps
+        its place in the LRU order)."""
+        chunk = Chunk(sum(t.numel() * t.element_size() for t in (k, v, hidden) if t is not None), set(keys))
+        b = self.block_tokens
+        for j, key in enumerate(keys):
             block = slice(j * b, (j + 1) * b)
-            entry.k, entry.v, entry.chunk = chunk_k[:, :, block], chunk_v[:, :, block], fresh
-            entry.hidden = None if chunk_h is None else chunk_h[block]
-        self.bytes_held += fresh.nbytes
+            view_h = None if hidden is None else hidden[block]
+            self._entries[key] = Entry(k[:, :, block], v[:, :, block], view_h, chunk, pins[j] if pins else 0)
+        self.bytes_held += chunk.nbytes
 
 
 def _block_bytes(k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None, block: int) -> int:

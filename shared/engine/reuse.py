@@ -80,9 +80,10 @@ class PrefixReuse:
         try:
             while not run.done:
                 run.step()
-            self.finish(run)
-        finally:
+        except BaseException:
             self.abandon(run)
+            raise
+        self.finish(run)
         return run
 
     def finish(self, run: PrefillRun) -> None:
