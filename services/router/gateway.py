@@ -33,6 +33,7 @@ from services.router.dispatch import Dispatcher
 from services.router.errors import status_of
 from services.router.metrics import GatewayMetrics
 from services.router.openapi import build_openapi
+from services.router.page import mount_page
 from services.router.policy import make_policy
 from services.router.prefixes import MemoryPrefixIndex, RedisPrefixIndex
 from services.router.records import RequestRecords
@@ -59,6 +60,7 @@ from shared.api.schemas import (
 from shared.api.serving import (
     CHAT_URL,
     COMPLETIONS_URL,
+    MAX_DEPTH_TOKENS,
     RequestError,
     build_response,
     parse_request,
@@ -66,6 +68,7 @@ from shared.api.serving import (
     validation_message,
     validation_param,
 )
+from shared.contract import PRESET_NAMES
 from shared.models.text import TextModel
 from shared.net.registry import WorkerInfo
 
@@ -161,6 +164,7 @@ class Gateway:
         app.get("/status")(self.status)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
+        mount_page(app)
         return app
 
     async def chat_completions(self, request: Request):
@@ -209,7 +213,8 @@ class Gateway:
         """What a person watching the service wants every few seconds (the page's service view):
         requests in flight, the last minute's TTFT p50/p95 and tokens/s, the default pruning
         preset, and every worker with its outstanding load and whether it answers. The same
-        figures /metrics exports, as JSON. Behind the API key when keys are on."""
+        figures /metrics exports, as JSON; and what the page's controls need to know (the model's
+        layers, the presets, return_token_depths' limit). Behind the API key when keys are on."""
         try:
             await self.authorize(request)
             live = await off_loop(self.workers.list)
@@ -217,21 +222,29 @@ class Gateway:
         except Exception as error:
             return self.error_response(error)
         answers = await self._decode_statuses(live, timeout=1.0)
-        health = {entry["address"]: "error" not in entry for entry in answers}
+        answered = {entry["address"]: entry for entry in answers}
         workers = [
             {
                 "role": w.role,
                 "address": w.address,
-                "dtype": w.dtype or None,
+                "dtype": w.dtype or answered.get(w.address, {}).get("dtype"),
                 "load": loads[0 if w.role == "decode" else 1].get(w.worker_id, 0.0),
                 "load_unit": "tokens to generate" if w.role == "decode" else "predicted prefill token-layers",
-                "healthy": health.get(w.address) if w.role == "decode" else None,  # prefill: not asked
+                # prefill workers are not asked (None)
+                "healthy": "error" not in answered[w.address] if w.address in answered else None,
             }
             for w in live
         ]
         return {
+            "model": {
+                "name": self.text.name,
+                "num_layers": self.text.spec.num_layers,
+                "max_model_len": self.text.max_positions,
+            },
             "in_flight": self.admission.in_flight,
             "pruning_preset": self.text.default_preset,
+            "pruning_presets": list(PRESET_NAMES),
+            "max_depth_tokens": MAX_DEPTH_TOKENS,
             "prefix_caching": self.settings.engine.enable_prefix_caching,
             "recent": self.metrics.recent.snapshot(),
             "workers": workers,
@@ -259,9 +272,12 @@ class Gateway:
             body = _validated(TokenizeRequest, await self.read_body(request))
             self.check_model(body.model)
             ids = await off_loop(self._tokenize, body)
+            strs = await off_loop(lambda: [self.formatter.text(t) for t in ids]) if body.return_token_strs else None
         except Exception as error:
             return self.error_response(error)
-        return TokenizeResponse(count=len(ids), max_model_len=self.text.max_positions, tokens=ids).model_dump()
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.text.max_positions, tokens=ids, token_strs=strs
+        ).model_dump()
 
     def _tokenize(self, body: TokenizeRequest) -> list[int]:
         text = self.text

@@ -388,6 +388,9 @@ class TokenizeRequest(BaseModel):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = Field(
+        False, description="vLLM's: also token_strs, each token as text (decoded alone, as logprobs show tokens)"
+    )
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -400,6 +403,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -1,0 +1,73 @@
+// The service view: GET /status every few seconds while the view is shown (and the tab visible):
+// requests in flight, the last minute's TTFT p50/p95 and tokens/s, the preset in force, and the
+// workers with their load and health.
+
+import { getJson } from "./api.js";
+import { $, figureList } from "./playground.js";
+
+const PERIOD_MS = 3000;
+
+function seconds(value) {
+  return value === null || value === undefined ? "–" : `${value.toFixed(2)} s`;
+}
+
+function cell(row, text, className) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (className) td.className = className;
+  row.append(td);
+}
+
+export function drawStatus(status) {
+  const recent = status.recent;
+  figureList($("service-figures"), [
+    ["in flight", String(status.in_flight)],
+    ["TTFT p50 (last minute)", seconds(recent.ttft_p50_s)],
+    ["TTFT p95 (last minute)", seconds(recent.ttft_p95_s)],
+    ["tokens/s (last minute)", recent.tokens_per_s.toFixed(1)],
+    ["requests (last minute)", String(recent.requests)],
+    ["pruning preset", status.pruning_preset],
+    ["prefix caching", status.prefix_caching ? "on" : "off"],
+  ]);
+  const rows = status.workers.map((worker) => {
+    const row = document.createElement("tr");
+    row.dataset.role = worker.role;
+    cell(row, worker.role);
+    cell(row, worker.address);
+    cell(row, worker.dtype ?? "–");
+    cell(row, `${Math.round(worker.load).toLocaleString()} ${worker.load_unit}`);
+    const health = worker.healthy === null ? "not asked" : worker.healthy ? "healthy" : "not answering";
+    cell(row, health, worker.healthy === false ? "bad" : worker.healthy ? "good" : "");
+    return row;
+  });
+  $("workers").querySelector("tbody").replaceChildren(...rows);
+  $("service-updated").textContent = `Updated ${new Date().toLocaleTimeString()}`;
+}
+
+export class ServiceView {
+  constructor(onError) {
+    this.onError = onError;
+    this.timer = null;
+  }
+
+  async refresh() {
+    try {
+      drawStatus(await getJson("/status"));
+    } catch (error) {
+      this.onError(error);
+    }
+  }
+
+  start() {
+    if (this.timer !== null) return;
+    this.refresh();
+    this.timer = setInterval(() => {
+      if (!document.hidden) this.refresh();
+    }, PERIOD_MS);
+  }
+
+  stop() {
+    clearInterval(this.timer);
+    this.timer = null;
+  }
+}
