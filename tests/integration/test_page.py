@@ -350,3 +350,41 @@ def test_with_keys_on_the_page_asks_for_one_and_keeps_it_in_the_tab(browser, sta
     assert page.evaluate("sessionStorage.getItem('lazyserve.apiKey')") is None
     assert page.errors == []
     page.context.close()
+
+
+@pytest.mark.slow
+def test_the_page_works_against_make_run(browser):
+    """`make run` is `lazyserve up` with its defaults (SmolLM2, the default preset, the prefill actor
+    on a local Ray), here on free ports: a long document goes to the prefill worker, is pruned, and
+    its map and the service's workers show in the page."""
+    from conftest import free_port, kill_sessions, start_process
+
+    args = ["up", "--port", str(free_port()), "--decode-port", str(free_port()), "--prefill-port", str(free_port())]
+    process, url = start_process(args, "gateway", timeout=240, session=True)
+    try:
+        page = open_page(browser, url)
+        page.wait_for_selector("body[data-ready=true]")
+        page.get_by_label("Max tokens").fill("16")
+        page.get_by_label("Message").fill(document(6000) + "\n\nWhat does s.count(x) return? Answer briefly.")
+        with page.expect_response("**/v1/chat/completions", timeout=TIMEOUT_MS) as response:
+            page.get_by_label("Message").press("Enter")
+        figure = page.get_by_role("figure", name="Where the prompt went")
+        figure.wait_for(timeout=TIMEOUT_MS)
+        assert response.value.headers["x-lazyserve-route"] == "disaggregated"  # over the 1024-token threshold
+        metrics, usage = final_event(response.value.text())
+        assert metrics["pruning"] == "default" and metrics["computed_fraction"] < 1
+        assert figure.locator(".cell[data-index]").count() == usage["prompt_tokens"] > 1024
+        assert [int(d) for d in figure.locator(".cell[data-index]").evaluate_all("c => c.map(x => x.dataset.depth)")] == (
+            metrics["token_depths"]
+        )
+        shot(page, "make-run")
+        page.get_by_role("tab", name="Service").click()
+        rows = page.get_by_role("table", name="Workers").locator("tbody tr")
+        rows.first.wait_for()
+        assert sorted(row.locator("td").first.inner_text() for row in rows.all()) == ["decode", "prefill"]
+        assert page.errors == []
+        page.context.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        kill_sessions({process.pid})
