@@ -374,9 +374,9 @@ def test_the_page_works_against_make_run(browser):
         metrics, usage = final_event(response.value.text())
         assert metrics["pruning"] == "default" and metrics["computed_fraction"] < 1
         assert figure.locator(".cell[data-index]").count() == usage["prompt_tokens"] > 1024
-        assert [int(d) for d in figure.locator(".cell[data-index]").evaluate_all("c => c.map(x => x.dataset.depth)")] == (
-            metrics["token_depths"]
-        )
+        assert [
+            int(d) for d in figure.locator(".cell[data-index]").evaluate_all("c => c.map(x => x.dataset.depth)")
+        ] == (metrics["token_depths"])
         shot(page, "make-run")
         page.get_by_role("tab", name="Service").click()
         rows = page.get_by_role("table", name="Workers").locator("tbody tr")
@@ -388,3 +388,44 @@ def test_the_page_works_against_make_run(browser):
         process.terminate()
         process.wait(timeout=60)
         kill_sessions({process.pid})
+
+
+def test_a_file_becomes_the_message_and_a_long_prompt_is_answered_without_a_map(page, tmp_path):
+    from pydoc_data.topics import topics
+
+    # Over return_token_depths' 4096 tokens: the answer comes, and the map says why it is not drawn.
+    text = topics["typesseq"][:18000]  # about 4,500 tokens
+    attached = tmp_path / "notes.txt"
+    attached.write_text(text)
+    box = page.get_by_label("Message")
+    box.fill("Which method removes all items?")
+    page.get_by_label("Attach a text file").set_input_files(str(attached))
+    assert box.input_value() == f"{text}\n\nWhich method removes all items?"  # the file first, then what was typed
+    page.get_by_label("Max tokens").fill("2")
+    with page.expect_request("**/v1/chat/completions") as request:
+        box.press("Enter")
+    assert request.value.post_data_json["return_token_depths"] is False
+    page.locator(".message.assistant dl.figures").wait_for(timeout=TIMEOUT_MS)
+    figure = page.get_by_role("figure", name="Where the prompt went")
+    expect(figure).to_contain_text("the map is drawn for prompts of up to 4096")
+    assert figure.locator(".cell[data-index]").count() == 0
+
+
+def test_stop_keeps_the_answer_so_far(page, stack):
+    page.get_by_label("Max tokens").fill("400")
+    page.get_by_label("Message").fill("Count from 1 to 200, separated by commas.")
+    page.get_by_role("button", name="Send").click()
+    answer = page.locator(".message.assistant .text")
+    expect(answer).not_to_be_empty(timeout=TIMEOUT_MS)
+    page.get_by_role("button", name="Stop").click()
+    expect(page.locator(".message.assistant")).to_contain_text("stopped")
+    kept = answer.inner_text()
+    assert kept and page.get_by_role("button", name="Send").is_enabled()
+    # The server let the request go: nothing stays in flight.
+    expect(page.get_by_role("button", name="Stop")).to_be_hidden()
+    deadline_s = 10
+    for _ in range(deadline_s * 10):
+        if httpx.get(f"{stack.main.url}/status", timeout=5).json()["in_flight"] == 0:
+            break
+        page.wait_for_timeout(100)
+    assert httpx.get(f"{stack.main.url}/status", timeout=5).json()["in_flight"] == 0

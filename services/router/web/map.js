@@ -96,10 +96,14 @@ function layers(svg, depths, keptPerLayer, numLayers) {
 
 // Draw the map for one answer. `tokens`: /tokenize's reply for the same messages (or null);
 // `metrics`: the answer's metrics, with token_depths when they were asked.
-export function drawMap(figure, tokens, metrics, numLayers) {
+export function drawMap(figure, tokens, metrics, numLayers, maxTokens) {
   const summary = figure.querySelector("#map-summary");
   if (!metrics?.token_depths) {
-    figure.hidden = true;
+    // Over return_token_depths' limit: say so rather than show nothing.
+    figure.querySelector("#map-tokens").replaceChildren();
+    figure.querySelector("#map-layers").replaceChildren();
+    summary.textContent = `This prompt has ${tokens?.count ?? "too many"} tokens; the map is drawn for prompts of up to ${maxTokens}.`;
+    figure.hidden = false;
     return;
   }
   const depths = metrics.token_depths;

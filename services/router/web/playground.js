@@ -128,7 +128,7 @@ export class Playground {
       figures.className = "figures";
       figureList(figures, answerFigures(result));
       answer.append(figures);
-      drawMap($("map"), tokens, result.metrics, this.status.model.num_layers);
+      drawMap($("map"), tokens, result.metrics, this.status.model.num_layers, this.status.max_depth_tokens);
     } catch (error) {
       if (error.name === "AbortError") {
         // Stopped: the answer so far stays, as the conversation's last turn.
