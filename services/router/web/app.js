@@ -4,7 +4,8 @@
 
 import { ApiError, apiKey, getJson } from "./api.js";
 import { compare } from "./compare.js";
-import { $, Playground } from "./playground.js";
+import { $ } from "./dom.js";
+import { Playground } from "./playground.js";
 import { ServiceView } from "./service.js";
 
 let running = null; // the AbortController of the request in progress

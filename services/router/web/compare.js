@@ -4,7 +4,8 @@
 // Neither answer joins the conversation: the message stays in the box, to be sent if wanted.
 
 import { streamChat } from "./api.js";
-import { $, answerFigures, chosenPruning, figureList, requestFor } from "./playground.js";
+import { $, figureList } from "./dom.js";
+import { answerFigures, chosenPruning, requestFor } from "./playground.js";
 
 const SEED = 20240718; // both sides sample with the same seed when the temperature is above 0
 

@@ -3,12 +3,11 @@
 // full model's work computed; the latest answer's map of the prompt is drawn below.
 
 import { postJson, streamChat } from "./api.js";
+import { $, figureList } from "./dom.js";
 import { drawMap } from "./map.js";
 
 const LONG_MESSAGE = 1200; // characters past which a message is folded into a <details>
 const MAX_FILE_BYTES = 4 * 1024 * 1024; // the gateway's body limit
-
-export const $ = (id) => document.getElementById(id);
 
 // The request the settings describe, for these messages (without stream options).
 export function requestFor(messages, pruning) {
@@ -29,19 +28,6 @@ export function chosenPruning() {
     return JSON.parse($("schedule").value);
   } catch (error) {
     throw new Error(`the schedule is not JSON: ${error.message}`);
-  }
-}
-
-export function figureList(list, entries) {
-  list.replaceChildren();
-  for (const [name, value] of entries) {
-    const term = document.createElement("dt");
-    term.textContent = name;
-    const detail = document.createElement("dd");
-    detail.textContent = value;
-    const pair = document.createElement("div"); // a <dl> may group each term with its value
-    pair.append(term, detail);
-    list.append(pair);
   }
 }
 

@@ -3,7 +3,7 @@
 // workers with their load and health.
 
 import { getJson } from "./api.js";
-import { $, figureList } from "./playground.js";
+import { $, figureList } from "./dom.js";
 
 const PERIOD_MS = 3000;
 
