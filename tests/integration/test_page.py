@@ -138,6 +138,14 @@ def use_schedule(page, schedule: dict) -> None:
     page.get_by_label("Schedule (JSON)").fill(json.dumps(schedule))
 
 
+def compose(page, message: str, max_tokens: int, schedule: dict | None = None) -> None:
+    """Set the controls as a person would, the message last."""
+    if schedule is not None:
+        use_schedule(page, schedule)
+    page.get_by_label("Max tokens").fill(str(max_tokens))
+    page.get_by_label("Message").fill(message)
+
+
 # ---------------------------------------------------------------------------- the API the page uses
 def test_the_page_and_its_files_are_served_with_a_strict_policy(stack):
     index = httpx.get(f"{stack.main.url}/", timeout=10)
@@ -215,10 +223,8 @@ def test_a_chat_streams_its_answer(page, stack):
 
 
 def test_the_map_shows_each_prompt_token_at_the_depth_the_api_gives(page, stack):
-    use_schedule(page, SCHEDULE)
-    page.get_by_label("Max tokens").fill("24")
     message = document() + "\n\nWhat does s.count(x) return?"
-    page.get_by_label("Message").fill(message)
+    compose(page, message, 24, SCHEDULE)
     with page.expect_response("**/v1/chat/completions", timeout=TIMEOUT_MS) as response:
         page.get_by_role("button", name="Send").click()
     figure = page.get_by_role("figure", name="Where the prompt went")
@@ -256,10 +262,8 @@ def test_the_map_shows_each_prompt_token_at_the_depth_the_api_gives(page, stack)
 
 
 def test_compare_shows_both_answers_and_where_they_part(page, stack):
-    use_schedule(page, SCHEDULE)
-    page.get_by_label("Max tokens").fill("24")
     message = document() + "\n\nSummarise the text above in one sentence."
-    page.get_by_label("Message").fill(message)
+    compose(page, message, 24, SCHEDULE)
     page.get_by_role("button", name="Compare").click()
     page.locator("#difference:not(:empty)").wait_for(timeout=TIMEOUT_MS)
     section = page.get_by_role("region", name="Compare: unpruned and schedule")
@@ -364,8 +368,7 @@ def test_the_page_works_against_make_run(browser):
     try:
         page = open_page(browser, url)
         page.wait_for_selector("body[data-ready=true]")
-        page.get_by_label("Max tokens").fill("16")
-        page.get_by_label("Message").fill(document(6000) + "\n\nWhat does s.count(x) return? Answer briefly.")
+        compose(page, document(6000) + "\n\nWhat does s.count(x) return? Answer briefly.", 16)
         with page.expect_response("**/v1/chat/completions", timeout=TIMEOUT_MS) as response:
             page.get_by_label("Message").press("Enter")
         figure = page.get_by_role("figure", name="Where the prompt went")
@@ -412,8 +415,7 @@ def test_a_file_becomes_the_message_and_a_long_prompt_is_answered_without_a_map(
 
 
 def test_stop_keeps_the_answer_so_far(page, stack):
-    page.get_by_label("Max tokens").fill("400")
-    page.get_by_label("Message").fill("Count from 1 to 200, separated by commas.")
+    compose(page, "Count from 1 to 200, separated by commas.", 400)
     page.get_by_role("button", name="Send").click()
     answer = page.locator(".message.assistant .text")
     expect(answer).not_to_be_empty(timeout=TIMEOUT_MS)
