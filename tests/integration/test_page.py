@@ -219,6 +219,8 @@ def test_a_chat_streams_its_answer(page, stack):
     page.locator(".message.assistant dl.figures").nth(1).wait_for(timeout=TIMEOUT_MS)
     second = figures(page.locator(".message.assistant dl.figures").nth(1))
     assert int(second["prompt tokens"]) > int(shown["prompt tokens"]) and int(second["cached tokens"]) > 0
+    said = f"The first {second['cached tokens']} tokens' early layers came from the prefix cache"
+    expect(page.get_by_role("figure", name="Where the prompt went")).to_contain_text(said)
     shot(page, "playground")
 
 

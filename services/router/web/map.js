@@ -113,8 +113,11 @@ export function drawMap(figure, tokens, metrics, numLayers, maxTokens) {
   layers(figure.querySelector("#map-layers"), depths, metrics.kept_per_layer || [], numLayers);
   const full = depths.filter((d) => d >= numLayers).length;
   const percent = (100 * (metrics.computed_fraction ?? 1)).toFixed(1);
+  const cached = metrics.cached_tokens
+    ? ` The first ${metrics.cached_tokens} tokens' early layers came from the prefix cache, not computed again.`
+    : "";
   summary.textContent =
     `${depths.length} prompt tokens under pruning "${metrics.pruning}": ${full} went through all ` +
-    `${numLayers} layers, ${revived.size} revived during decode; ${percent}% of the full model's token-layers computed.`;
+    `${numLayers} layers, ${revived.size} revived during decode; ${percent}% of the full model's token-layers computed.${cached}`;
   figure.hidden = false;
 }
