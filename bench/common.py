@@ -39,6 +39,13 @@ def add_dtypes_argument(parser, help_text: str) -> None:
     parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, default=["float32", "bfloat16"], help=help_text)
 
 
+async def sse_events(response):
+    """Each `data:` event of a streamed completion (an httpx response), parsed, until [DONE]."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]

@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.common import markdown_table, write_json
+from bench.common import markdown_table, sse_events, write_json
 
 QUESTIONS = (
     "What is the main topic of this text?",
@@ -107,10 +107,7 @@ async def _chat(client, url: str, workload: str, kind: str, messages: list[dict]
             if response.status_code != 200:
                 sent.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return sent
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
+            async for data in sse_events(response):
                 if "error" in data:
                     sent.error = data["error"]["message"][:200]
                     return sent

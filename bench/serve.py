@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.common import markdown_table, write_json
+from bench.common import markdown_table, sse_events, write_json
 
 
 @dataclass
@@ -66,10 +66,7 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int, time
             if response.status_code != 200:
                 outcome.error = f"HTTP {response.status_code}"
                 return outcome
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
+            async for data in sse_events(response):
                 if "error" in data:
                     outcome.error = data["error"]["message"][:200]
                     return outcome

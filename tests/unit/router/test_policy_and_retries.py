@@ -95,20 +95,7 @@ class Script:
     def __init__(self, *plan):
         self.plan, self.calls = list(plan), []
 
-    async def __call__(
-        self,
-        channels,
-        decode,
-        prefill,
-        ids,
-        pruning,
-        sampling,
-        request_id,
-        deadline,
-        parent=None,
-        cache_salt="",
-        token_depths=False,
-    ):
+    async def __call__(self, channels, decode, *_, **__):  # client.generate_on's arguments
         tokens, failure = self.plan[len(self.calls)]
         self.calls.append(decode.worker_id)
         for token in tokens:

@@ -92,20 +92,7 @@ class Conversation:
     def __init__(self):
         self.calls: list[tuple[str, str | None, str]] = []  # (decode, prefill, salt)
 
-    async def __call__(
-        self,
-        channels,
-        decode,
-        prefill,
-        ids,
-        pruning,
-        sampling,
-        request_id,
-        deadline,
-        parent=None,
-        cache_salt="",
-        token_depths=False,
-    ):
+    async def __call__(self, channels, decode, prefill, ids, *_, cache_salt="", **__):  # as client.generate_on
         self.calls.append((decode.worker_id, prefill and prefill.worker_id, cache_salt))
         if prefill is not None:
             yield Prefilled(pb.PrefillReply(transfer_id="t"))
