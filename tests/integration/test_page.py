@@ -405,7 +405,8 @@ def test_a_file_becomes_the_message_and_a_long_prompt_is_answered_without_a_map(
     box = page.get_by_label("Message")
     box.fill("Which method removes all items?")
     page.get_by_label("Attach a text file").set_input_files(str(attached))
-    assert box.input_value() == f"{text}\n\nWhich method removes all items?"  # the file first, then what was typed
+    # The page reads the file asynchronously (File.text()): wait for it, as a user would see it arrive.
+    expect(box).to_have_value(f"{text}\n\nWhich method removes all items?")  # the file first, then what was typed
     page.get_by_label("Max tokens").fill("2")
     with page.expect_request("**/v1/chat/completions") as request:
         box.press("Enter")
