@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.batch.runner import BatchSummary
+from services.batch.runner import BatchSummary, read_lines
 from shared.api.llm import LLM, respond
 from shared.api.serving import choice_text
 
@@ -16,7 +16,7 @@ def _answer(body: dict) -> str:
 
 def compare(llm: LLM, source: Path, summary: BatchSummary, width: int = 60) -> list[dict]:
     rows = []
-    raws = [raw for raw in source.read_text().splitlines() if raw.strip()]
+    raws = read_lines(source)
     for raw, result in zip(raws, summary.results):
         if result.error is not None:
             continue

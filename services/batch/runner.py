@@ -74,16 +74,34 @@ def load_pruning_flag(value: str | None) -> str | dict | None:
     return json.loads(path.read_text())
 
 
+# JSON leaves U+2028, U+2029 and U+0085 raw inside strings, and str.splitlines() breaks lines at each
+# of them: written escaped, an output record stays one line for any reader (as Go's encoding/json does).
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def read_lines(source: Path) -> list[str]:
+    """A JSONL file's lines, split at newlines only (a line's strings may hold U+2028 and kin).
+
+    Only lines of JSON whitespace are skipped: any other line is a request, or an error line.
+    """
+    return [raw for raw in source.read_text().split("\n") if raw.strip(" \t\r")]
+
+
+def jsonl_record(line: BatchOutputLine) -> str:
+    """One output line's JSON, with no character any line splitter takes for a line break."""
+    return line.model_dump_json().translate(_LINE_BREAKS)
+
+
 def run_batch(
     llm: LLM, source: Path, target: Path, pruning_flag: str | dict | None, progress: bool = True
 ) -> BatchSummary:
-    lines = [raw for raw in source.read_text().splitlines() if raw.strip()]
+    lines = read_lines(source)
     summary = BatchSummary()
     target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("w") as out:
         for raw in tqdm(lines, desc="run-batch", unit="req", disable=not progress):
             result = run_line(llm, raw, pruning_flag)
-            out.write(result.model_dump_json() + "\n")
+            out.write(jsonl_record(result) + "\n")
             out.flush()
             summary.results.append(result)
             if result.error is None:

@@ -142,3 +142,26 @@ def test_inputs_that_gave_500s_are_400_lines(llm, tmp_path):
     assert [line["response"]["status_code"] for line in out] == [400, 400, 200]
     assert "lone surrogate" in out[0]["response"]["body"]["error"]["message"]
     assert "pruning.seed" in out[1]["response"]["body"]["error"]["message"]
+
+
+def test_unicode_line_breaks_inside_strings_keep_one_line_each(llm, tmp_path):
+    """JSON allows U+2028, U+2029 and U+0085 raw in strings; str.splitlines() breaks lines at them."""
+    prompt = "A list\u2028is\x85mutable\u2029."
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True}
+    lines = [
+        json.dumps({"custom_id": "raw", "method": "POST", "url": "/v1/completions", "body": body}, ensure_ascii=False),
+        json.dumps({"custom_id": "odd\u2028id", "method": "POST", "url": "/v1/completions", "body": body}),
+        "\u2028",  # not JSON whitespace: an error line, not a skipped one
+    ]
+    assert "\u2028" in lines[0]  # written raw, as JSON writers with ensure_ascii=False do
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    run_batch(llm, source, target, "off", progress=False)
+    written = target.read_text()
+    assert not any(char in written for char in "\u2028\u2029\x85")  # escaped, so any reader sees 3 lines
+    out = [json.loads(line) for line in written.splitlines()]
+    assert [line["custom_id"] for line in out] == ["raw", "odd\u2028id", None]
+    for line in out[:2]:
+        assert line["response"]["status_code"] == 200
+        assert line["response"]["body"]["choices"][0]["text"].startswith(prompt)  # echoed back intact
+    assert out[2]["error"]["code"] == "invalid_json"
