@@ -417,6 +417,30 @@ def test_a_file_becomes_the_message_and_a_long_prompt_is_answered_without_a_map(
     assert figure.locator(".cell[data-index]").count() == 0
 
 
+def test_a_send_waits_for_a_file_still_being_read(page):
+    # Reading a file is asynchronous; made slow here (File.text() delayed by a second), Enter pressed
+    # at once still sends the file with the question, not the question alone.
+    page.evaluate(
+        """() => {
+        const text = Blob.prototype.text;
+        Blob.prototype.text = function () {
+            return new Promise((done) => setTimeout(() => done(text.call(this)), 1000));
+        };
+    }"""
+    )
+    note = "Lists are mutable sequences; tuples are immutable."
+    box = page.get_by_label("Message")
+    compose(page, "Which of them is mutable?", 2)
+    page.get_by_label("Attach a text file").set_input_files(
+        files=[{"name": "note.txt", "mimeType": "text/plain", "buffer": note.encode()}]
+    )
+    with page.expect_request("**/v1/chat/completions", timeout=TIMEOUT_MS) as request:
+        box.press("Enter")
+    assert request.value.post_data_json["messages"][-1]["content"] == f"{note}\n\nWhich of them is mutable?"
+    page.locator(".message.assistant dl.figures").wait_for(timeout=TIMEOUT_MS)
+    assert box.input_value() == ""
+
+
 def test_stop_keeps_the_answer_so_far(page, stack):
     compose(page, "Count from 1 to 200, separated by commas.", 400)
     page.get_by_role("button", name="Send").click()

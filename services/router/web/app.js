@@ -89,7 +89,12 @@ function wireComposer(playground) {
       $("composer").requestSubmit();
     }
   });
-  $("compare").addEventListener("click", () => exclusive((controller) => compare(playground.messages, controller)));
+  $("compare").addEventListener("click", () =>
+    exclusive(async (controller) => {
+      await playground.settled();
+      await compare(playground.messages, controller);
+    }),
+  );
   $("stop").addEventListener("click", () => running?.abort());
   $("new-chat").addEventListener("click", () => playground.reset());
   $("file").addEventListener("change", async (event) => {

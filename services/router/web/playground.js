@@ -72,6 +72,7 @@ export class Playground {
   constructor(status) {
     this.status = status; // GET /status: the model's layers, presets, return_token_depths' limit
     this.messages = [];
+    this.reading = Promise.resolve(); // an attached file still being read
   }
 
   reset() {
@@ -82,13 +83,22 @@ export class Playground {
 
   async attach(file) {
     if (file.size > MAX_FILE_BYTES) throw new Error(`${file.name} is over 4 MiB, the server's limit for a request`);
-    const text = await file.text();
-    const box = $("message");
-    box.value = box.value ? `${text}\n\n${box.value}` : text;
+    // Reading is asynchronous: a send started meanwhile waits for it, so it never goes without the file.
+    this.reading = file.text().then((text) => {
+      const box = $("message");
+      box.value = box.value ? `${text}\n\n${box.value}` : text;
+    });
+    await this.reading;
+  }
+
+  // Resolves once an attached file is in the message box (a failed read was said already).
+  settled() {
+    return this.reading.catch(() => {});
   }
 
   // Send the message box's text as the next turn; stream the answer into the conversation.
   async send(controller) {
+    await this.settled();
     const text = $("message").value;
     if (!text.trim()) return;
     const pruning = chosenPruning();
