@@ -154,12 +154,9 @@ def test_unicode_line_breaks_inside_strings_keep_one_line_each(llm, tmp_path):
         "\u2028",  # not JSON whitespace: an error line, not a skipped one
     ]
     assert "\u2028" in lines[0]  # written raw, as JSON writers with ensure_ascii=False do
-    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    source.write_text("\n".join(lines) + "\n")
-    run_batch(llm, source, target, "off", progress=False)
-    written = target.read_text()
+    out = _run(llm, tmp_path, lines, pruning="off")  # read back with str.splitlines()
+    written = (tmp_path / "out.jsonl").read_text()
     assert not any(char in written for char in "\u2028\u2029\x85")  # escaped, so any reader sees 3 lines
-    out = [json.loads(line) for line in written.splitlines()]
     assert [line["custom_id"] for line in out] == ["raw", "odd\u2028id", None]
     for line in out[:2]:
         assert line["response"]["status_code"] == 200
