@@ -22,7 +22,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # Shift by the max first and work in float64: a temperature as small as 1e-300 must give the
     # argmax (probability 1), not inf/inf = NaN (found by schemathesis through the gateway).
     logits = logits.double()
-    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
+    top = logits.max()
+    if top == float("inf"):
+        # Tokens at +inf (a repetition penalty near 0 divides positive logits by it, past float32's
+        # range) take all the mass, shared equally: softmax's limit, where inf - inf would be NaN.
+        logits = torch.where(logits == top, 0.0, float("-inf")).double()
+        top = 0.0
+    probs = torch.softmax((logits - top) / params.temperature, dim=-1)
     if 0 < params.top_k < probs.shape[0]:
         probs[probs < torch.topk(probs, params.top_k).values[-1]] = 0.0
         probs /= probs.sum()

@@ -62,6 +62,24 @@ def test_repetition_penalty_equals_transformers():
     torch.testing.assert_close(sampler.process(logits), reference[0])
 
 
+def test_a_repetition_penalty_near_zero_samples_among_the_infinite_logits():
+    """Positive logits of seen tokens divided by 1e-300 overflow float32 to +inf; sampling then
+    draws among exactly those tokens, evenly (it was a NaN distribution and a 500)."""
+    logits = torch.full((VOCAB,), -1.0)
+    logits[[3, 7, 11]] = torch.tensor([2.0, 0.5, -4.0])  # seen; 11's negative logit is multiplied, not divided
+    logits[20] = 5.0  # not seen: stays finite, and loses to the infinite ones
+    params = SamplingParams(temperature=1.0, repetition_penalty=1e-300)
+    sampler = Sampler(params, prompt_ids=[3, 7, 11])
+    processed = sampler.process(logits)
+    assert processed[3] == processed[7] == float("inf")
+    probs = probabilities(processed, params)
+    expected = torch.zeros(VOCAB, dtype=torch.float64)
+    expected[[3, 7]] = 0.5
+    torch.testing.assert_close(probs, expected, atol=0, rtol=0)
+    seeded = [SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=seed) for seed in range(40)]
+    assert {Sampler(each, prompt_ids=[3, 7, 11]).choose(logits).token for each in seeded} == {3, 7}
+
+
 def test_presence_and_frequency_follow_openai_definition():
     sampler = Sampler(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt_ids=[1, 2, 3])
     for token in (4, 4, 4, 7):

@@ -51,6 +51,13 @@ def test_a_vanishing_temperature_samples_the_argmax():
         assert sample(logits, params, torch.Generator().manual_seed(0)) == 1
 
 
+def test_a_vanishing_repetition_penalty_is_answered(llm):
+    """repetition_penalty=1e-300 (in range: > 0) sends seen tokens' logits to +inf: a 200, not a NaN 500."""
+    body = {"prompt": "Lists and tuples", "max_tokens": 3, "temperature": 1.0, "seed": 0, "ignore_eos": True}
+    reply = respond(llm, "/v1/completions", body | {"repetition_penalty": 1e-300})
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].text
+
+
 def test_a_short_question_gets_the_unpruned_answer_by_default(llm):
     """The paper's rule changed this 31-token question's greedy answer; the default preset leaves
     prompts under its minimum length unpruned."""
