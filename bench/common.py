@@ -76,3 +76,19 @@ def machine() -> dict:
 def write_json(path: Path, report: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report | {"machine": machine()}, indent=2))
+
+
+def add_schedule_argument(parser) -> None:
+    """--schedule NAME=JSON: a PruneConfig beside the presets, as the eval takes it (repeatable)."""
+    parser.add_argument("--schedule", action="append", default=[], metavar="NAME=JSON", help="an extra configuration")
+
+
+def pruning_configs(presets: list[str], schedules: list[str], num_layers: int) -> dict:
+    """name -> PruneConfig: the named presets for this depth, then each NAME=JSON schedule."""
+    from shared.contract import PruneConfig, preset
+
+    configs = {name: preset(name, num_layers) for name in presets}
+    for item in schedules:
+        name, _, body = item.partition("=")
+        configs[name] = PruneConfig.model_validate_json(body).check_for(num_layers)
+    return configs

@@ -21,7 +21,14 @@ from pathlib import Path
 
 import torch
 
-from bench.common import add_dtypes_argument, markdown_table, reference_text, write_json
+from bench.common import (
+    add_dtypes_argument,
+    add_schedule_argument,
+    markdown_table,
+    pruning_configs,
+    reference_text,
+    write_json,
+)
 
 
 def _prompts(tokenizer, count: int, length: int) -> list[torch.Tensor]:
@@ -159,12 +166,11 @@ def bench_attention(model, lengths: list[int], batch_sizes: list[int], repeats: 
 
 
 def bench_dtype(args, dtype: str) -> dict:
-    from shared.contract import preset
     from shared.models.weights import load_model
 
     loaded = load_model(args.model, dtype=dtype)
     model = loaded.engine
-    configs = {name: preset(name, model.spec.num_layers) for name in args.presets}
+    configs = pruning_configs(args.presets, args.schedule, model.spec.num_layers)
     prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
     throughput = bench_throughput(model, prompts, configs, args.concurrency, args.tokens, args.repeats)
     attention = bench_attention(
@@ -245,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens per sequence and run")
     parser.add_argument("--presets", nargs="+", default=["off", "default"])
+    add_schedule_argument(parser)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     add_dtypes_argument(parser, "side by side in one run; ratios are over the first")

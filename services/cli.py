@@ -266,9 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         add_help=False,
-        help="benchmarks: ttft, decode, disagg, serve, prefix (lazyserve bench NAME --help for flags)",
+        help="benchmarks: ttft, decode, step, disagg, serve, prefix (lazyserve bench NAME --help for flags)",
     )
-    bench.add_argument("name", choices=["ttft", "decode", "disagg", "serve", "prefix"])
+    bench.add_argument("name", choices=["ttft", "decode", "step", "disagg", "serve", "prefix"])
 
     sub.add_parser(
         "eval", add_help=False, help="the long-context accuracy suite under many pruning schedules (--help for flags)"

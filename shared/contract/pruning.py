@@ -51,6 +51,15 @@ class PruneConfig(BaseModel):
     )
     min_keep: float = Field(0.0, ge=0.0, le=1.0, description="with keep_mass: keep at least this fraction")
     min_prompt_tokens: int = Field(0, ge=0, le=MAX_PROTECTED, description="prompts shorter than this are not pruned")
+    revive_budget: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_PROTECTED,
+        description="decode revives at most this many prompt tokens per stage and re-selection, best first",
+    )
+    reselect_every: int = Field(
+        1, ge=1, le=MAX_PROTECTED, description="decode re-selects every this many steps (1: every step, LazyLLM's rule)"
+    )
 
     @field_validator("stages")
     @classmethod

@@ -35,12 +35,14 @@ def pruning_to_pb(config: PruneConfig) -> pb.PruneConfig:
         keep_mass=config.keep_mass,
         min_keep=config.min_keep,
         min_prompt_tokens=config.min_prompt_tokens,
+        revive_budget=config.revive_budget,
+        reselect_every=config.reselect_every,
     )
 
 
 def pruning_from_pb(message: pb.PruneConfig, num_layers: int) -> PruneConfig:
     # proto3 cannot tell unset from empty: an empty mode means "off", and an empty granularity or
-    # pool, or a zero block size, window or pool kernel, means PruneConfig's default.
+    # pool, or a zero block size, window, pool kernel or reselect_every, means PruneConfig's default.
     fields = {
         "mode": message.mode or "off",
         "stages": tuple((stage.layer, stage.keep_fraction) for stage in message.stages),
@@ -55,6 +57,8 @@ def pruning_from_pb(message: pb.PruneConfig, num_layers: int) -> PruneConfig:
         "keep_mass": message.keep_mass if message.HasField("keep_mass") else None,
         "min_keep": message.min_keep,
         "min_prompt_tokens": message.min_prompt_tokens,
+        "revive_budget": message.revive_budget if message.HasField("revive_budget") else None,
+        "reselect_every": message.reselect_every or None,
     }
     try:
         config = PruneConfig(**{name: value for name, value in fields.items() if value is not None})

@@ -166,6 +166,8 @@ class LazyCache:
     kept_per_layer: list[int] = field(default_factory=list)
     # Per stage layer, the query window of a `lazy` schedule with window > 1.
     windows: dict[int, QueryWindow] = field(default_factory=dict)
+    # Per stage layer, the prompt positions decode's last re-selection kept there (bool [prompt]).
+    selected: dict[int, torch.Tensor] = field(default_factory=dict)
     # Prompt positions decode revived from an Aux Cache at least once (return_token_depths).
     revived: set[int] = field(default_factory=set)
     # With a prefix cache: the states leaving its last shared layer (None when not kept).

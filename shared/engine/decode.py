@@ -43,6 +43,9 @@ class _Rows:
         self.config = config.for_prompt(self.num_prompt)
         self.new_position = cache.length
         self.reselects = self.config.enabled and self.config.reselects
+        # Between re-selections (reselect_every > 1) each stage keeps its last live set: nothing
+        # is scored and nothing revives, the new token just joins the live set.
+        self.selecting = (self.new_position - self.num_prompt) % self.config.reselect_every == 0
         self.scorer = scorer_for(self.config)
         # Rows computed at the current layer: revived tokens (sorted) and the new token, always last.
         self.rows = torch.tensor([self.new_position], device=model.device)
@@ -70,18 +73,25 @@ class _Rows:
         if keep is None:
             return
         kv = cache.layers[index]
-        candidates = kv.positions < self.num_prompt
-        if self.key_live is not None:
-            candidates &= self.key_live
-        positions = kv.positions[candidates]
-        attention = None
-        if self.scorer.needs_attention:
-            attention = self._scores(index, kv)[candidates]
-        scores = self.scorer.score(ScoreInputs(index, positions, attention))
-        chosen = select(config, keep, scores, positions, self.num_prompt, mass=attention)
-        live = torch.zeros(self.new_position + 1, dtype=torch.bool, device=self.model.device)
-        live[self.num_prompt :] = True
-        live[positions[chosen]] = True
+        window = self._push_window(index) if config.window > 1 else None
+        held = cache.selected.get(index)
+        live = torch.ones(self.new_position + 1, dtype=torch.bool, device=self.model.device)
+        if self.selecting or held is None:
+            candidates = kv.positions < self.num_prompt
+            if self.key_live is not None:
+                candidates &= self.key_live
+            positions = kv.positions[candidates]
+            attention = None
+            if self.scorer.needs_attention:
+                attention = self._scores(kv, window)[candidates]
+            scores = self.scorer.score(ScoreInputs(index, positions, attention))
+            chosen = select(config, keep, scores, positions, self.num_prompt, mass=attention)
+            if config.revive_budget is not None:
+                chosen = self._within_budget(index, keep, scores, positions, chosen, attention)
+            held = torch.zeros(self.num_prompt, dtype=torch.bool, device=self.model.device)
+            held[positions[chosen]] = True
+            cache.selected[index] = held
+        live[: self.num_prompt] = held
         self.live = live
         # Rows dropped here stop after this layer; kept tokens that stopped here earlier revive.
         staying = live[self.rows]
@@ -97,15 +107,38 @@ class _Rows:
             rows, h = rows[order], h[order]
         self.rows, self.h = rows, h
 
-    def _scores(self, index: int, kv) -> torch.Tensor:
-        """Window attention over this layer's keys [count]; the new query [1, H, 1, D] joins the window."""
+    def _within_budget(self, index, keep, scores, positions, chosen, attention) -> torch.Tensor:
+        """The selection with at most `revive_budget` revivals from this layer's Aux Cache, the
+        best-scored first (whole blocks under block granularity); the slots the others leave go to
+        the best candidates that already have KV deeper, so the stage keeps its budget of tokens."""
+        config = self.config
+        waiting = self.cache.depth[positions] == index + 1  # stopped here: taking them revives them
+        reviving = chosen & waiting
+        count = int(reviving.sum())
+        if count <= config.revive_budget:
+            return chosen
+        units = positions // config.block_size if config.granularity == "block" else positions
+        unit_ids, inverse = torch.unique(units[reviving], return_inverse=True)
+        best = torch.full((unit_ids.shape[0],), float("-inf"), dtype=scores.dtype, device=scores.device)
+        best = best.scatter_reduce(0, inverse, scores[reviving], reduce="amax")
+        sizes = torch.bincount(inverse, minlength=unit_ids.shape[0])
+        order = torch.argsort(best, descending=True, stable=True)
+        allowed_units = unit_ids[order[torch.cumsum(sizes[order], 0) <= config.revive_budget]]
+        deferred = waiting & ~torch.isin(units, allowed_units)
+        return select(config, keep, scores, positions, self.num_prompt, mass=attention, exclude=deferred)
+
+    def _push_window(self, index: int) -> QueryWindow:
+        """The query window at stage `index` after this step's new query [1, H, 1, D] joins it."""
         q_new, position = self.q[:, :, -1:], self.rows[-1:]
-        if self.config.window == 1:
-            return window_scores(self.model, q_new, kv.k, self.key_live)
-        cache = self.cache
-        window = cache.windows.get(index)
+        window = self.cache.windows.get(index)
         window = QueryWindow(position, q_new) if window is None else window.push(position, q_new, self.config.window)
-        cache.windows[index] = window
+        self.cache.windows[index] = window
+        return window
+
+    def _scores(self, kv, window: QueryWindow | None) -> torch.Tensor:
+        """Window attention over this layer's keys [count]; the new query [1, H, 1, D] alone for window 1."""
+        if window is None:
+            return window_scores(self.model, self.q[:, :, -1:], kv.k, self.key_live)
         return window_scores(self.model, window.q, kv.k, self.key_live, window.positions, kv.positions)
 
 

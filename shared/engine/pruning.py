@@ -98,6 +98,7 @@ def select(
     positions: torch.Tensor,
     num_prompt: int,
     mass: torch.Tensor | None = None,
+    exclude: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean mask over candidates: the top `keep` fraction of the prompt, by score.
 
@@ -106,10 +107,14 @@ def select(
     the scores are pooled over neighbours first. With `keep_mass`, the budget is the fewest
     tokens whose attention `mass` [c] reaches that share, at most `keep`. With block granularity,
     whole blocks of `block_size` consecutive positions are kept or dropped, each scored by its best token.
+    exclude: bool [c], candidates not to take unless protected (after pooling, so that they still
+    lend their score to their neighbours); decode's revival budget defers them this way.
     """
     if config.pool_kernel > 1:
         scores = pool_scores(config, scores, positions, num_prompt)
     forced = protected(config, positions, num_prompt)
+    if exclude is not None:
+        scores = scores.masked_fill(exclude & ~forced, float("-inf"))
     scores = torch.where(forced, torch.tensor(float("inf"), dtype=scores.dtype, device=scores.device), scores)
     if config.keep_mass is not None:
         if mass is None:
@@ -123,7 +128,15 @@ def select(
     if config.granularity == "token":
         chosen = torch.zeros(count, dtype=torch.bool, device=positions.device)
         chosen[torch.topk(scores, budget, sorted=False).indices] = True
-        return chosen | forced
+    else:
+        chosen = _blocks(config, budget, scores, positions)
+    if exclude is not None:  # a block taken for its other tokens, or too few candidates left
+        chosen &= ~exclude
+    return chosen | forced
+
+
+def _blocks(config: PruneConfig, budget: int, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Bool [c]: whole blocks, best first by their best token's score, until `budget` tokens."""
     blocks = positions // config.block_size
     num_blocks = int(blocks.max()) + 1
     block_score = torch.full((num_blocks,), float("-inf"), dtype=scores.dtype, device=scores.device)
@@ -134,4 +147,4 @@ def select(
     before = torch.cumsum(block_size[order], 0) - block_size[order]
     taken = torch.zeros(num_blocks, dtype=torch.bool, device=positions.device)
     taken[order[before < budget]] = True
-    return taken[blocks] | forced
+    return taken[blocks]

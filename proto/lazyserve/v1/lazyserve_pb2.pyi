@@ -15,7 +15,7 @@ class Stage(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., keep_fraction: _Optional[float] = ...) -> None: ...
 
 class PruneConfig(_message.Message):
-    __slots__ = ("mode", "stages", "sink_tokens", "granularity", "block_size", "seed", "window", "pool_kernel", "pool", "recent_tokens", "keep_mass", "min_keep", "min_prompt_tokens")
+    __slots__ = ("mode", "stages", "sink_tokens", "granularity", "block_size", "seed", "window", "pool_kernel", "pool", "recent_tokens", "keep_mass", "min_keep", "min_prompt_tokens", "revive_budget", "reselect_every")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class PruneConfig(_message.Message):
     KEEP_MASS_FIELD_NUMBER: _ClassVar[int]
     MIN_KEEP_FIELD_NUMBER: _ClassVar[int]
     MIN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REVIVE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    RESELECT_EVERY_FIELD_NUMBER: _ClassVar[int]
     mode: str
     stages: _containers.RepeatedCompositeFieldContainer[Stage]
     sink_tokens: int
@@ -42,7 +44,9 @@ class PruneConfig(_message.Message):
     keep_mass: float
     min_keep: float
     min_prompt_tokens: int
-    def __init__(self, mode: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., sink_tokens: _Optional[int] = ..., granularity: _Optional[str] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ..., window: _Optional[int] = ..., pool_kernel: _Optional[int] = ..., pool: _Optional[str] = ..., recent_tokens: _Optional[int] = ..., keep_mass: _Optional[float] = ..., min_keep: _Optional[float] = ..., min_prompt_tokens: _Optional[int] = ...) -> None: ...
+    revive_budget: int
+    reselect_every: int
+    def __init__(self, mode: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., sink_tokens: _Optional[int] = ..., granularity: _Optional[str] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ..., window: _Optional[int] = ..., pool_kernel: _Optional[int] = ..., pool: _Optional[str] = ..., recent_tokens: _Optional[int] = ..., keep_mass: _Optional[float] = ..., min_keep: _Optional[float] = ..., min_prompt_tokens: _Optional[int] = ..., revive_budget: _Optional[int] = ..., reselect_every: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "n", "grammar")

@@ -65,6 +65,13 @@ CASES = [
         SamplingParams(max_new_tokens=10),
         join_at=5,
     ),
+    Case(
+        "budget-every-700-greedy",
+        700,
+        LAZY.model_copy(update={"window": 4, "revive_budget": 8, "reselect_every": 3}),
+        SamplingParams(max_new_tokens=12),
+        join_at=2,
+    ),
     Case("lazy-600-cancelled", 600, LAZY, SamplingParams(max_new_tokens=30, temperature=0.7, seed=5), cancel_after=6),
 ]
 

@@ -56,6 +56,8 @@ WINDOWED = PruneConfig(
     keep_mass=0.9,
     min_keep=0.1,
     min_prompt_tokens=10,
+    revive_budget=4,
+    reselect_every=3,
 )
 
 

@@ -1,0 +1,202 @@
+"""`lazyserve bench step`: where one batched decode step's time goes, unpruned against pruned.
+
+The same prefilled caches (2048-token prompts of real text by default) are decoded by
+`decode_batch` for a few steps after a warm-up, once per (dtype, preset, sequence count). While
+they run, the engine's own functions are wrapped with timers (shared/engine/decode.py's imports:
+projections, attention, the rest of the layer, cache writes, scoring, selection, and the revival
+bookkeeping around them); the wrappers are removed in `finally`. Each phase is reported in ms per
+step with its share of the step, and the step's rows: revived token-layers and keys attended.
+
+Timers read the wall clock around synchronous CPU work, so on the CPU a phase's time is what it
+cost. They add a few microseconds a call, the same for every preset; the step time without them
+comes from an untimed run of the same steps beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from bench.common import add_dtypes_argument, add_schedule_argument, markdown_table, pruning_configs, write_json
+
+# (module attribute, phase): what shared/engine/decode.py calls, by the name it calls it.
+PHASES = [
+    ("project_qkv", "norm + q/k/v + RoPE"),
+    ("attend", "attention"),
+    ("finish", "o_proj + MLP"),
+    ("logits_of", "final norm + lm_head"),
+    ("window_scores", "selection: window scores"),
+    ("select", "selection: pool + top-k"),
+]
+
+
+class PhaseTimer:
+    """Seconds per phase, accumulated by wrappers around the decode module's functions and two of
+    the cache's methods; `reselect` is timed whole, and its own phases are subtracted from it."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[list[float]] = []
+
+    def wrap(self, fn, phase: str):
+        def timed(*args, **kwargs):
+            self._stack.append([0.0])
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                inner = self._stack.pop()[0]
+                self.seconds[phase] += elapsed - inner  # self time: nested phases count once
+                self.calls[phase] += 1
+                if self._stack:
+                    self._stack[-1][0] += elapsed
+
+        return timed
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Wrap the engine's functions for the duration; always restored."""
+        from shared.engine import cache as cache_module
+        from shared.engine import decode as decode_module
+
+        saved = []
+        targets = [(decode_module, name, phase) for name, phase in PHASES]
+        targets += [
+            (cache_module.LazyCache, "write", "cache writes"),
+            (decode_module._Rows, "reselect", "selection: live set, stash, revive"),
+            (decode_module._Rows, "attend", "attention: masks"),
+        ]
+        try:
+            for owner, name, phase in targets:
+                original = owner.__dict__[name]
+                saved.append((owner, name, original))
+                setattr(owner, name, self.wrap(original, phase))
+            yield self
+        finally:
+            for owner, name, original in reversed(saved):
+                setattr(owner, name, original)
+
+
+def _prefilled(model, prompts, config, steps: int):
+    from shared.engine import prefill
+
+    out = []
+    for ids in prompts:
+        cache, logits = prefill(model, ids, config, reserve=2 * steps + 2)
+        out.append((cache, int(logits.argmax())))
+    return out
+
+
+def _decode(model, prefilled, config, steps: int) -> tuple[float, dict]:
+    """Greedy steps from copies of the caches; seconds and what the steps computed."""
+    from shared.engine.decode import decode_batch
+
+    batch = [(copy.deepcopy(cache), token, config) for cache, token in prefilled]
+    revived = sum(cache.revived_token_layers for cache, _, _ in batch)
+    computed = sum(cache.computed_token_layers for cache, _, _ in batch)
+    start = time.perf_counter()
+    for _ in range(steps):
+        tokens = decode_batch(model, batch).argmax(dim=-1).tolist()
+        batch = [(cache, token, config) for (cache, _, _), token in zip(batch, tokens)]
+    elapsed = time.perf_counter() - start
+    last = model.spec.num_layers - 1
+    rows = {
+        "revived_token_layers_per_step": (sum(c.revived_token_layers for c, _, _ in batch) - revived) / steps,
+        "computed_token_layers_per_step": (sum(c.computed_token_layers for c, _, _ in batch) - computed) / steps,
+        "keys_last_layer_per_sequence": statistics.mean(c.layers[last].size for c, _, _ in batch),
+    }
+    return elapsed, rows
+
+
+def profile(model, prompts, name: str, config, count: int, steps: int, repeats: int) -> dict:
+    prefilled = _prefilled(model, prompts[:count], config, steps * 2)
+    _decode(model, prefilled[:1], config, 2)  # warm-up
+    plain, timed_runs, timer = [], [], PhaseTimer()
+    rows = {}
+    for _ in range(repeats):
+        elapsed, rows = _decode(model, prefilled, config, steps)
+        plain.append(elapsed / steps)
+        with timer.installed():
+            elapsed, _ = _decode(model, prefilled, config, steps)
+        timed_runs.append(elapsed / steps)
+    per_step = {phase: seconds / (steps * repeats) for phase, seconds in timer.seconds.items()}
+    timed = statistics.mean(timed_runs)
+    per_step["other (Python, embedding, batching)"] = max(timed - sum(per_step.values()), 0.0)
+    return {
+        "pruning": name,
+        "sequences": count,
+        "steps": steps,
+        "step_ms": statistics.median(plain) * 1e3,
+        "samples_step_ms": [s * 1e3 for s in plain],
+        "timed_step_ms": timed * 1e3,
+        "tokens_per_s": count / statistics.median(plain),
+        "phases_ms": {phase: s * 1e3 for phase, s in per_step.items()},
+        "calls_per_step": {phase: n / (steps * repeats) for phase, n in timer.calls.items()},
+        **rows,
+    }
+
+
+def bench_dtype(args, dtype: str) -> dict:
+    from bench.decode import _prompts
+    from shared.models.weights import load_model
+
+    loaded = load_model(args.model, dtype=dtype)
+    model = loaded.engine
+    prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
+    results = []
+    for name, config in pruning_configs(args.presets, args.schedule, model.spec.num_layers).items():
+        for count in args.concurrency:
+            result = profile(model, prompts, name, config, count, args.steps, args.repeats)
+            print(f"{dtype} {name} x{count}: {result['step_ms']:.1f} ms a step", flush=True)
+            results.append(result)
+    return {"model": loaded.name, "dtype": loaded.dtype_choice.dtype, "profiles": results}
+
+
+def report(run: dict) -> str:
+    """One table per dtype: phases as rows, (preset, sequences) as columns."""
+    profiles = run["profiles"]
+    phases = list(dict.fromkeys(p for r in profiles for p in r["phases_ms"]))
+    header = ["ms per step"] + [f"{r['pruning']} x{r['sequences']}" for r in profiles]
+    rows = [["step (untimed)"] + [f"{r['step_ms']:.1f}" for r in profiles]]
+    rows += [["step (timed)"] + [f"{r['timed_step_ms']:.1f}" for r in profiles]]
+    for phase in phases:
+        rows.append([phase] + [f"{r['phases_ms'].get(phase, 0.0):.1f}" for r in profiles])
+    rows.append(["revived token-layers"] + [f"{r['revived_token_layers_per_step']:.0f}" for r in profiles])
+    rows.append(["keys at the last layer"] + [f"{r['keys_last_layer_per_sequence']:.0f}" for r in profiles])
+    return f"{run['dtype']}, {run['model']}\n" + markdown_table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lazyserve bench step", description=__doc__)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per run")
+    parser.add_argument("--presets", nargs="+", default=["off", "default"])
+    add_schedule_argument(parser)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    add_dtypes_argument(parser, "one table each")
+    parser.add_argument("--out", default="out/bench_step.json")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    runs = [bench_dtype(args, dtype) for dtype in args.dtypes]
+    for run in runs:
+        print("\n" + report(run))
+    write_json(Path(args.out), {"prompt_tokens": args.prompt, "threads": args.threads, "runs": runs})
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
