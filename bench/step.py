@@ -33,6 +33,7 @@ PHASES = [
     ("finish", "o_proj + MLP"),
     ("logits_of", "final norm + lm_head"),
     ("window_scores", "selection: window scores"),
+    ("window_probs", "selection: window scores"),
     ("select", "selection: pool + top-k"),
 ]
 

@@ -106,14 +106,29 @@ class AuxEntries:
 @dataclass
 class QueryWindow:
     """The last queries seen at one stage layer: positions [w] and q [1, H, w, D], oldest first.
-    Decode scores with them plus its new token, so re-selection does not follow one token's whim."""
+    Decode scores with them plus its new token, so re-selection does not follow one token's whim.
+
+    rows: decode's memo, oldest first, of each query's attention probabilities averaged over the
+    heads, float32 [n_i] over the layer's first n_i keys (those held when the query joined). A
+    query sees only keys at or before its position, so its row never changes where no earlier key
+    is added later (the first stage layer, which holds every prompt token from prefill): decode
+    then computes one new row a step instead of w. None until decode first scores there (a
+    prefill's or a transfer's window), and whenever it does not hold every query but the newest."""
 
     positions: torch.Tensor
     q: torch.Tensor
+    rows: tuple[torch.Tensor, ...] | None = None
 
     def push(self, position: torch.Tensor, q: torch.Tensor, size: int) -> QueryWindow:
-        """The window after query q [1, H, 1, D] at position [1] joins it, keeping the last `size`."""
-        return QueryWindow(torch.cat([self.positions, position])[-size:], torch.cat([self.q, q], dim=2)[:, :, -size:])
+        """The window after query q [1, H, 1, D] at position [1] joins it, keeping the last `size`.
+        The memo keeps the rows of the queries that stay; the new one's row is the caller's."""
+        rows = self.rows
+        if rows is not None and len(rows) != self.positions.shape[0]:
+            rows = None  # a push without scoring left the memo a row short: it no longer lines up
+        elif rows is not None and len(rows) >= size:
+            rows = rows[1:]
+        positions = torch.cat([self.positions, position])[-size:]
+        return QueryWindow(positions, torch.cat([self.q, q], dim=2)[:, :, -size:], rows)
 
 
 class BoundaryStates:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from shared.engine.cache import LazyCache, QueryWindow
-from shared.engine.layer import attend, finish, logits_of, project_qkv, window_scores
+from shared.engine.layer import attend, finish, logits_of, project_qkv, window_probs, window_scores
 from shared.engine.model import EngineModel
 from shared.engine.pruning import PruneConfig, ScoreInputs, scorer_for, select
 
@@ -60,6 +60,8 @@ class _Rows:
         cache.revived_token_layers += self.rows.shape[0] - 1
         kv = cache.layers[index]
         self.q, self.key_live = q, None if self.live is None else self.live[kv.positions]
+        if self.key_live is not None and bool(self.key_live.all()):
+            self.key_live = None  # every key held here is live (no revival yet): no mask to build or apply
         if last or self.rows.shape[0] == 1:
             return attend(self.model, q[:, :, -1:], kv.k, kv.v, mask=self.key_live)
         # Revived rows attend causally, by original position, over the live keys.
@@ -83,7 +85,7 @@ class _Rows:
             positions = kv.positions[candidates]
             attention = None
             if self.scorer.needs_attention:
-                attention = self._scores(kv, window)[candidates]
+                attention = self._scores(index, kv, window)[candidates]
             scores = self.scorer.score(ScoreInputs(index, positions, attention))
             chosen = select(config, keep, scores, positions, self.num_prompt, mass=attention)
             if config.revive_budget is not None:
@@ -135,11 +137,30 @@ class _Rows:
         self.cache.windows[index] = window
         return window
 
-    def _scores(self, kv, window: QueryWindow | None) -> torch.Tensor:
+    def _scores(self, index: int, kv, window: QueryWindow | None) -> torch.Tensor:
         """Window attention over this layer's keys [count]; the new query [1, H, 1, D] alone for window 1."""
         if window is None:
             return window_scores(self.model, self.q[:, :, -1:], kv.k, self.key_live)
-        return window_scores(self.model, window.q, kv.k, self.key_live, window.positions, kv.positions)
+        if self.key_live is not None or index != self.config.stages[0][0]:
+            # Past the first stage, keys are masked and revived ones join: the rows change.
+            return window_scores(self.model, window.q, kv.k, self.key_live, window.positions, kv.positions)
+        return self._memo_scores(kv, window)
+
+    def _memo_scores(self, kv, window: QueryWindow) -> torch.Tensor:
+        """The window's scores with each older query's row from the memo (their keys are all there
+        and do not change; later keys are later positions, which they cannot see): one new row a
+        step. Equal to window_scores up to the order of its sums (each row averaged over the heads
+        first, then the rows summed). A memo that does not hold every query but the newest (a step
+        that pushed without scoring, under reselect_every) is rebuilt whole."""
+        memo, w = window.rows, window.q.shape[2]
+        fresh = 1 if memo is not None and len(memo) == w - 1 else w
+        probs = window_probs(self.model, window.q[:, :, -fresh:], kv.k, None, window.positions[-fresh:], kv.positions)
+        new_rows = tuple(probs.mean(dim=(0, 1)).unbind(0))  # [fresh] rows of [keys held now]
+        window.rows = (memo if fresh == 1 else ()) + new_rows
+        scores = torch.zeros(kv.size, dtype=torch.float32, device=kv.k.device)
+        for row in window.rows:
+            scores[: row.shape[0]] += row
+        return scores
 
 
 @torch.inference_mode()

@@ -86,22 +86,43 @@ def window_scores(
     k_positions [n] give the causal mask (a query sees keys at or before it). Returns [n]. Only
     these w rows are built, never an n x n matrix.
     """
+    if q.shape[2] > 1:
+        return window_probs(model, q, k, key_mask, q_positions, k_positions).sum(dim=2).mean(dim=(0, 1))
+    # The last query sees every key: no causal mask, bit for bit the published LazyLLM score.
+    logits = _window_logits(model, q, k)
+    if key_mask is not None:
+        logits = logits.masked_fill(~key_mask, float("-inf"))
+    return torch.softmax(logits, dim=-1).mean(dim=(0, 1))
+
+
+def _window_logits(model: EngineModel, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [1, H, w, D] against k [1, Hkv, n, D]: [Hkv, G * w, n], each KV head's query rows together."""
     spec = model.spec
     groups, w = spec.num_heads // spec.num_kv_heads, q.shape[2]
     # Scores in float32 whatever the model's dtype (a no-op for float32 models): bfloat16 logits
     # carry 8 bits of mantissa, enough to reorder close tokens, and these rows are cheap.
     qg = q.reshape(spec.num_kv_heads, groups * w, spec.head_dim).float()
-    logits = torch.matmul(qg, k[0].float().transpose(1, 2)) * model.scaling  # [Hkv, G * w, n]
-    if w == 1:
-        # The last query sees every key: no causal mask, bit for bit the published LazyLLM score.
-        if key_mask is not None:
-            logits = logits.masked_fill(~key_mask, float("-inf"))
-        return torch.softmax(logits, dim=-1).mean(dim=(0, 1))
+    return torch.matmul(qg, k[0].float().transpose(1, 2)) * model.scaling
+
+
+def window_probs(
+    model: EngineModel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+) -> torch.Tensor:
+    """Each query row's causal attention probabilities in float32, per head: [Hkv, G, w, n].
+    `window_scores` sums them over the rows and averages over the heads."""
+    spec = model.spec
+    groups, w = spec.num_heads // spec.num_kv_heads, q.shape[2]
+    logits = _window_logits(model, q, k)
     visible = k_positions[None, :] <= q_positions[:, None]  # [w, n]
     if key_mask is not None:
         visible = visible & key_mask[None, :]
     logits = logits.view(spec.num_kv_heads, groups, w, -1).masked_fill(~visible, float("-inf"))
-    return torch.softmax(logits, dim=-1).sum(dim=2).mean(dim=(0, 1))
+    return torch.softmax(logits, dim=-1)
 
 
 def logits_of(model: EngineModel, h: torch.Tensor) -> torch.Tensor:

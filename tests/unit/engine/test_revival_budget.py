@@ -98,3 +98,34 @@ def test_bad_values_are_refused():
         PruneConfig(stages=((1, 0.5),), reselect_every=0)
     with pytest.raises(ValueError, match="revive_budget"):
         PruneConfig(stages=((1, 0.5),), revive_budget=-1)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LAZY,
+        LAZY.model_copy(update={"window": 6, "pool_kernel": 3, "granularity": "block", "block_size": 4}),
+        LAZY.model_copy(update={"reselect_every": 3}),
+    ],
+    ids=["two-stages", "block-pooled", "every-3"],
+)
+def test_the_window_memo_scores_as_scoring_afresh(tiny_llama, config):
+    """Decode keeps each window query's probabilities at the first stage and computes one new row a
+    step; a run that drops the memo after every step (so it scores the whole window afresh) makes
+    the same selections, so the same logits, bit for bit (the scores agree to rounding)."""
+    model = tiny_llama.engine
+    runs = []
+    for forget in (False, True):
+        cache, logits = prefill(model, _ids(tiny_llama), config, reserve=STEPS)
+        steps = []
+        for _ in range(STEPS):
+            logits = decode_step(model, cache, int(logits.argmax()), config)
+            steps.append((logits, {layer: held.clone() for layer, held in cache.selected.items()}))
+            if forget:
+                for window in cache.windows.values():
+                    window.rows = None
+        runs.append(steps)
+        assert (cache.windows[1].rows is None) == forget
+    for (logits, selected), (fresh_logits, fresh_selected) in zip(*runs):
+        assert torch.equal(logits, fresh_logits)
+        assert all(torch.equal(selected[layer], fresh_selected[layer]) for layer in selected)
