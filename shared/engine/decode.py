@@ -15,6 +15,12 @@ layer, together with the new token, until it is dropped again (back into the Aux
 the last layer. Under `static`, `random` and `off`, the live set at each layer is whatever has KV
 there.
 
+Revived rows are the pruned step's largest cost (`lazyserve bench step`), so two config fields
+bound them: `revive_budget` caps the prompt tokens one re-selection revives (best first; the slots
+left go to tokens already computed deeper), `reselect_every` keeps each stage's live set between
+re-selections. At the first stage the window's older queries keep their attention rows in a memo
+(QueryWindow.rows): each step scores one new query row, not `window` of them.
+
 Attention is one SDPA call per sequence over its own keys. The alternative, one call over keys
 padded to the longest sequence (or one block-masked call over all keys), has to gather every
 sequence's K and V into a new tensor at every layer of every step: `lazyserve bench decode`
@@ -79,20 +85,7 @@ class _Rows:
         held = cache.selected.get(index)
         live = torch.ones(self.new_position + 1, dtype=torch.bool, device=self.model.device)
         if self.selecting or held is None:
-            candidates = kv.positions < self.num_prompt
-            if self.key_live is not None:
-                candidates &= self.key_live
-            positions = kv.positions[candidates]
-            attention = None
-            if self.scorer.needs_attention:
-                attention = self._scores(index, kv, window)[candidates]
-            scores = self.scorer.score(ScoreInputs(index, positions, attention))
-            chosen = select(config, keep, scores, positions, self.num_prompt, mass=attention)
-            if config.revive_budget is not None:
-                chosen = self._within_budget(index, keep, scores, positions, chosen, attention)
-            held = torch.zeros(self.num_prompt, dtype=torch.bool, device=self.model.device)
-            held[positions[chosen]] = True
-            cache.selected[index] = held
+            held = cache.selected[index] = self._select(index, keep, kv, window)
         live[: self.num_prompt] = held
         self.live = live
         # Rows dropped here stop after this layer; kept tokens that stopped here earlier revive.
@@ -108,6 +101,28 @@ class _Rows:
             order = torch.argsort(rows)
             rows, h = rows[order], h[order]
         self.rows, self.h = rows, h
+
+    def _select(self, index: int, keep: float, kv, window: QueryWindow | None) -> torch.Tensor:
+        """The prompt tokens kept past stage `index` this step: bool [prompt]."""
+        config = self.config
+        candidates = kv.positions < self.num_prompt
+        if self.key_live is not None:
+            candidates &= self.key_live
+        positions = kv.positions[candidates]
+        attention = None
+        if self.scorer.needs_attention:
+            attention = self._scores(index, kv, window)[candidates]
+        scores = self.scorer.score(ScoreInputs(index, positions, attention))
+        if config.revive_budget == 0:  # nothing may revive: one pass without the waiting tokens
+            waiting = self.cache.depth[positions] == index + 1
+            chosen = select(config, keep, scores, positions, self.num_prompt, mass=attention, exclude=waiting)
+        else:
+            chosen = select(config, keep, scores, positions, self.num_prompt, mass=attention)
+            if config.revive_budget is not None:
+                chosen = self._within_budget(index, keep, scores, positions, chosen, attention)
+        held = torch.zeros(self.num_prompt, dtype=torch.bool, device=self.model.device)
+        held[positions[chosen]] = True
+        return held
 
     def _within_budget(self, index, keep, scores, positions, chosen, attention) -> torch.Tensor:
         """The selection with at most `revive_budget` revivals from this layer's Aux Cache, the
