@@ -78,9 +78,16 @@ def write_json(path: Path, report: dict) -> None:
     path.write_text(json.dumps(report | {"machine": machine()}, indent=2))
 
 
-def add_schedule_argument(parser) -> None:
-    """--schedule NAME=JSON: a PruneConfig beside the presets, as the eval takes it (repeatable)."""
+def add_decode_workload_arguments(parser, concurrency: list[int], repeats: int) -> None:
+    """What the decode benchmarks share: the model, prompts, sequence counts, the configurations
+    (presets, and --schedule NAME=JSON as the eval takes it, repeatable), repeats and threads."""
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=concurrency)
+    parser.add_argument("--presets", nargs="+", default=["off", "default"])
     parser.add_argument("--schedule", action="append", default=[], metavar="NAME=JSON", help="an extra configuration")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--threads", type=int, default=2)
 
 
 def pruning_configs(presets: list[str], schedules: list[str], num_layers: int) -> dict:

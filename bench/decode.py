@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from bench.common import (
+    add_decode_workload_arguments,
     add_dtypes_argument,
-    add_schedule_argument,
     markdown_table,
     pruning_configs,
     reference_text,
@@ -246,14 +246,8 @@ def across_dtypes(runs: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lazyserve bench decode", description=__doc__)
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    add_decode_workload_arguments(parser, concurrency=[1, 4, 8, 16], repeats=3)
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens per sequence and run")
-    parser.add_argument("--presets", nargs="+", default=["off", "default"])
-    add_schedule_argument(parser)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
     add_dtypes_argument(parser, "side by side in one run; ratios are over the first")
     parser.add_argument("--out", default="out/bench_decode.json")
     args = parser.parse_args(argv)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import add_dtypes_argument, add_schedule_argument, markdown_table, pruning_configs, write_json
+from bench.common import add_decode_workload_arguments, add_dtypes_argument, markdown_table, pruning_configs, write_json
 
 # (module attribute, phase): what shared/engine/decode.py calls, by the name it calls it.
 PHASES = [
@@ -178,14 +178,8 @@ def report(run: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lazyserve bench step", description=__doc__)
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    add_decode_workload_arguments(parser, concurrency=[1, 16], repeats=2)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per run")
-    parser.add_argument("--presets", nargs="+", default=["off", "default"])
-    add_schedule_argument(parser)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
     add_dtypes_argument(parser, "one table each")
     parser.add_argument("--out", default="out/bench_step.json")
     args = parser.parse_args(argv)
