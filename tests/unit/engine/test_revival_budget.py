@@ -1,6 +1,7 @@
 """Decode's two knobs on revival: `revive_budget` caps the prompt tokens a re-selection revives
 (best first, the freed slots going to tokens that already have KV deeper), `reselect_every` keeps
-each stage's live set between re-selections. Both at their defaults are LazyLLM's rule, unchanged."""
+each stage's live set between re-selections. Both at their defaults are LazyLLM's rule, unchanged:
+tests/unit/engine/test_selection_options.py holds that against the golden fingerprints."""
 
 import pytest
 import torch
@@ -82,15 +83,6 @@ def test_between_reselections_the_live_sets_hold_and_nothing_revives(tiny_llama,
                 assert torch.equal(held, selected[step - 1][layer])
     assert any(tokens for tokens, _ in revived), "the re-selection steps still revive"
     _at_most_once(cache)
-
-
-def test_the_defaults_are_lazyllms_rule(tiny_llama):
-    """revive_budget None and reselect_every 1 spelled out give the same steps as not giving them."""
-    spelled = LAZY.model_copy(update={"revive_budget": None, "reselect_every": 1})
-    plain, _, plain_selected = _decode(tiny_llama, LAZY)
-    same, _, same_selected = _decode(tiny_llama, spelled)
-    assert plain.revived_token_layers == same.revived_token_layers
-    assert all(torch.equal(a[layer], b[layer]) for a, b in zip(plain_selected, same_selected) for layer in a)
 
 
 def test_bad_values_are_refused():
