@@ -90,12 +90,19 @@ def add_decode_workload_arguments(parser, concurrency: list[int], repeats: int) 
     parser.add_argument("--threads", type=int, default=2)
 
 
-def pruning_configs(presets: list[str], schedules: list[str], num_layers: int) -> dict:
-    """name -> PruneConfig: the named presets for this depth, then each NAME=JSON schedule."""
-    from shared.contract import PruneConfig, preset
+def schedule_configs(schedules: list[str], num_layers: int) -> dict:
+    """name -> PruneConfig for each NAME=JSON schedule given on a command line."""
+    from shared.contract import PruneConfig
 
-    configs = {name: preset(name, num_layers) for name in presets}
+    configs = {}
     for item in schedules:
         name, _, body = item.partition("=")
         configs[name] = PruneConfig.model_validate_json(body).check_for(num_layers)
     return configs
+
+
+def pruning_configs(presets: list[str], schedules: list[str], num_layers: int) -> dict:
+    """name -> PruneConfig: the named presets for this depth, then each NAME=JSON schedule."""
+    from shared.contract import preset
+
+    return {name: preset(name, num_layers) for name in presets} | schedule_configs(schedules, num_layers)

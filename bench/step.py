@@ -5,7 +5,8 @@ The same prefilled caches (2048-token prompts of real text by default) are decod
 they run, the engine's own functions are wrapped with timers (shared/engine/decode.py's imports:
 projections, attention, the rest of the layer, cache writes, scoring, selection, and the revival
 bookkeeping around them); the wrappers are removed in `finally`. Each phase is reported in ms per
-step with its share of the step, and the step's rows: revived token-layers and keys attended.
+step (its own time, without the phases it calls), with what the step computed: revived
+token-layers and the keys held at the last layer.
 
 Timers read the wall clock around synchronous CPU work, so on the CPU a phase's time is what it
 cost. They add a few microseconds a call, the same for every preset; the step time without them
@@ -39,8 +40,9 @@ PHASES = [
 
 
 class PhaseTimer:
-    """Seconds per phase, accumulated by wrappers around the decode module's functions and two of
-    the cache's methods; `reselect` is timed whole, and its own phases are subtracted from it."""
+    """Seconds per phase, accumulated by wrappers around the decode module's functions, the
+    cache's write and two of `_Rows`' methods; a phase that calls others (`reselect` calls the
+    scoring and selection) keeps only its own time."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import machine, markdown_table
+from bench.common import machine, markdown_table, schedule_configs
 from bench.evalsuite import fidelity, scorers
 from bench.evalsuite.intervals import mean_ci, paired_difference_ci
 from bench.evalsuite.tasks import ANSWER_TASKS, DEFAULT_TASKS, TASKS, make_suite
@@ -50,10 +50,7 @@ def resolve_configs(names: list[str], extra: list[str], llm) -> dict:
             configs[name] = PruneConfig(**SCHEDULES[name]).check_for(llm.spec.num_layers)
         else:
             configs[name] = llm.resolve_pruning(name)
-    for item in extra:
-        name, _, body = item.partition("=")
-        configs[name] = PruneConfig.model_validate_json(body).check_for(llm.spec.num_layers)
-    return configs
+    return configs | schedule_configs(extra, llm.spec.num_layers)
 
 
 def case_ids(llm, case) -> list[int]:
