@@ -6,6 +6,12 @@ gRPC and a decode worker process; and the bytes the transfer moved (KV, Aux Cach
 serialized stream) against the full KV cache. Paths alternate round by round after a warm-up;
 the tables give medians and ratios. Disaggregated TTFT is the Prefill call's round trip: the
 first token is known and the decode worker holds the whole transfer.
+
+`--via up` measures the request's whole path instead: the same prompts as streamed completions
+through `lazyserve up` (HTTP, the gateway, Ray's actor, the KV stream, the decode worker; prefix
+caching off, so every repeat computes), against the engine in this process, alternating. It
+splits what `up` adds into the actor's own prefill (the response's metrics.ttft_s) and the rest
+(the path: HTTP, routing, gRPC, the transfer's tail).
 """
 
 from __future__ import annotations
@@ -70,8 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every process")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="every process's model dtype")
+    parser.add_argument("--via", choices=["workers", "up"], default="workers", help="what serves the prompts")
     parser.add_argument("--out", default="out/bench_disagg.json")
     args = parser.parse_args(argv)
+    if args.via == "up":
+        return _via_up(args)
 
     from services.prefill.actor import actor_addresses, ensure_ray, launch_prefill_actors
     from services.prefill.settings import PrefillSettings
@@ -158,6 +167,90 @@ def main(argv: list[str] | None = None) -> int:
     write_json(Path(args.out), report)
     print(f"\nwrote {args.out}")
     return 0
+
+
+def _via_up(args) -> int:
+    import asyncio
+
+    from bench.serve import running_up
+    from shared.contract import default_pruning
+    from shared.engine import OFF, SamplingParams
+    from shared.models.weights import load_model
+
+    torch.set_num_threads(args.threads)
+    args.dtype = resolve_dtype(args.dtype).dtype
+    loaded = load_model(args.model, dtype=args.dtype)
+    model = loaded.engine
+    configs = {"full": ("off", OFF), "lazy": ("default", default_pruning(model.spec.num_layers))}
+    params = SamplingParams(max_new_tokens=args.new_tokens)
+    flags = ["--dtype", args.dtype, "--threads", str(args.threads), "--no-enable-prefix-caching"]
+    report = {"model": loaded.name, "threads": args.threads, "dtype": args.dtype, "via": "up", "results": []}
+    with running_up(args.model, flags, 600.0) as url:
+        warm = long_text_ids(loaded.tokenizer, min(args.lengths))
+        for preset, config in configs.values():  # warm-up: first calls pay for lazy initialisation
+            _in_process(model, warm, config, params)
+            asyncio.run(_through_gateway(url, warm.tolist(), preset, args.new_tokens))
+        for length in args.lengths:
+            ids = long_text_ids(loaded.tokenizer, length)
+            for mode, (preset, config) in configs.items():
+                samples = {"local_ttft": [], "up_ttft": [], "actor_prefill": []}
+                for _ in range(args.repeats):
+                    samples["local_ttft"].append(_in_process(model, ids, config, params)[0])
+                    ttft, metrics = asyncio.run(_through_gateway(url, ids.tolist(), preset, args.new_tokens))
+                    samples["up_ttft"].append(ttft)
+                    samples["actor_prefill"].append(metrics["ttft_s"])
+                medians = {name: statistics.median(values) for name, values in samples.items()}
+                report["results"].append(
+                    {
+                        "tokens": length,
+                        "mode": mode,
+                        "median_s": medians,
+                        "samples_s": samples,
+                        "ttft_ratio": medians["up_ttft"] / medians["local_ttft"],
+                        "path_s": medians["up_ttft"] - medians["actor_prefill"],
+                    }
+                )
+                print(f"{length} tokens, {mode}: done", flush=True)
+    rows = [
+        [
+            r["tokens"],
+            r["mode"],
+            f"{r['median_s']['local_ttft']:.3f}",
+            f"{r['median_s']['up_ttft']:.3f}",
+            f"{r['ttft_ratio']:.3f}",
+            f"{r['median_s']['actor_prefill']:.3f}",
+            f"{r['path_s']:.3f}",
+        ]
+        for r in report["results"]
+    ]
+    header = ["tokens", "mode", "TTFT in-process s", "TTFT through up s", "up / in-process", "actor prefill s"]
+    print(markdown_table(header + ["path s (up less actor prefill)"], rows))
+    write_json(Path(args.out), report)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+async def _through_gateway(url: str, ids: list[int], preset: str, max_tokens: int) -> tuple[float, dict]:
+    """A streamed completion: (seconds to the first token, the response's metrics)."""
+    import httpx
+
+    from bench.common import sse_events
+
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True, "pruning": preset}
+    ttft, metrics = None, {}
+    async with httpx.AsyncClient(timeout=600.0) as client:
+        start = time.perf_counter()
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for data in sse_events(response):
+                if "error" in data:
+                    raise RuntimeError(data["error"]["message"])
+                if ttft is None and data["choices"] and data["choices"][0]["text"]:
+                    ttft = time.perf_counter() - start
+                metrics = data.get("metrics") or metrics
+    if ttft is None or not metrics:
+        raise RuntimeError("the stream ended without a token or without metrics")
+    return ttft, metrics
 
 
 def _print_tables(results: list[dict]) -> None:

@@ -3,29 +3,36 @@
 One workload (Poisson arrivals, prompt lengths log-uniform between --min-len and --max-len of real
 text, streamed completions through the REST API) replayed against:
 - `--stack up` (the default): `lazyserve up` as a user starts it, with its defaults (threads,
-  dtype, one prefill actor, one decode worker), once per --up-threads value side by side: `auto`
-  is up's own sizing, a number gives every worker that many threads (1 on 2 cores: prefill and
-  decode on separate cores; 2: both share both);
+  dtype, one prefill actor, one decode worker), once per --up-threads value and --pruning preset
+  side by side: `auto` is up's own sizing, a number gives every worker that many threads (1 on 2
+  cores: prefill and decode on separate cores; 2: both share both);
 - `--stack workers`: prefill actors on a local Ray and decode worker processes started here, and
   for each routing policy a gateway over the same workers (length-aware vs round-robin).
-Reports TTFT, inter-token latency (TPOT) and end-to-end p50 / p99, throughput, and goodput
-(requests/s meeting the TTFT and TPOT SLO). Bounded: --requests requests, each run stops after
---max-seconds.
+`--concurrency N` replaces the arrivals with N closed-loop streams (each sends its next request
+when its last one ends), as vLLM's and SGLang's serving benchmarks do with max concurrency;
+`--ignore-eos` makes every answer --max-tokens long.
+Reports TTFT, inter-token latency (ITL: every gap between two streamed tokens, pooled), time per
+output token (TPOT: each request's mean gap) and end-to-end p50 / p99, output tokens/s,
+throughput, and goodput (requests/s meeting the TTFT and TPOT SLO). With `--pruning off` and
+another preset, the ratios the service is judged by. Bounded: --requests requests, each run stops
+after --max-seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.common import markdown_table, sse_events, write_json
@@ -41,6 +48,7 @@ class Outcome:
     tpot_s: float = math.nan  # mean time per output token after the first
     tokens: int = 0
     route: str = ""
+    itl_s: list[float] = field(default_factory=list)  # every gap between two streamed tokens
 
 
 def workload(count: int, rate: float, min_len: int, max_len: int, seed: int) -> list[tuple[float, int]]:
@@ -53,11 +61,15 @@ def workload(count: int, rate: float, min_len: int, max_len: int, seed: int) -> 
     return items
 
 
-async def one_request(client, url: str, prompt: list[int], max_tokens: int, timeout: float) -> Outcome:
+async def one_request(
+    client, url: str, prompt: list[int], max_tokens: int, timeout: float, ignore_eos: bool = False
+) -> Outcome:
     import httpx
 
     outcome = Outcome(len(prompt))
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body |= {"stream_options": {"include_usage": True}}  # the token count, where a chunk's text is empty
+    body |= {"ignore_eos": True} if ignore_eos else {}
     start = time.monotonic()
     stamps = []
     try:
@@ -72,8 +84,10 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int, time
                     return outcome
                 if data["choices"] and data["choices"][0]["text"]:
                     stamps.append(time.monotonic())
-                if data.get("usage") or (data["choices"] and data["choices"][0].get("finish_reason")):
+                if data["choices"] and data["choices"][0].get("finish_reason"):
                     outcome.tokens = max(outcome.tokens, len(stamps))
+                if data.get("usage"):
+                    outcome.tokens = data["usage"]["completion_tokens"]
     except (TimeoutError, httpx.HTTPError) as error:
         outcome.error = type(error).__name__
         return outcome
@@ -83,22 +97,39 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int, time
         outcome.ttft_s, outcome.e2e_s = stamps[0] - start, end - start
         if len(stamps) > 1:
             outcome.tpot_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+            outcome.itl_s = [later - earlier for earlier, later in zip(stamps, stamps[1:])]
     return outcome
 
 
-async def replay(url: str, items, prompts, max_tokens: int, max_seconds: float) -> list[Outcome]:
+async def replay(
+    url: str, items, prompts, max_tokens: int, max_seconds: float, concurrency: int = 0, ignore_eos: bool = False
+) -> list[Outcome]:
+    """Every prompt once: at its arrival time, or with `concurrency` streams, each sending its
+    next prompt (in order) when its last answer ends."""
     import httpx
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
         start = time.monotonic()
 
+        def remaining() -> float:
+            return max(1.0, max_seconds - (time.monotonic() - start))
+
         async def fire(at: float, prompt):
             await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-            remaining = max(1.0, max_seconds - (time.monotonic() - start))
-            return await one_request(client, url, prompt, max_tokens, remaining)
+            return await one_request(client, url, prompt, max_tokens, remaining(), ignore_eos)
 
-        tasks = [asyncio.create_task(fire(at, prompt)) for (at, _), prompt in zip(items, prompts)]
-        return list(await asyncio.gather(*tasks))
+        if not concurrency:
+            tasks = [asyncio.create_task(fire(at, prompt)) for (at, _), prompt in zip(items, prompts)]
+            return list(await asyncio.gather(*tasks))
+        outcomes: list[Outcome | None] = [None] * len(prompts)
+        pending = iter(range(len(prompts)))
+
+        async def stream():
+            for index in pending:  # one shared iterator: each prompt goes to one stream
+                outcomes[index] = await one_request(client, url, prompts[index], max_tokens, remaining(), ignore_eos)
+
+        await asyncio.gather(*(stream() for _ in range(concurrency)))
+        return outcomes
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -113,8 +144,10 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo_ttft: float, slo_tpot:
     ok = [o for o in outcomes if o.ok]
     good = [o for o in ok if o.ttft_s <= slo_ttft and (math.isnan(o.tpot_s) or o.tpot_s <= slo_tpot)]
     summary = {"requests": len(outcomes), "ok": len(ok), "errors": len(outcomes) - len(ok), "wall_s": wall_s}
-    for name in ("ttft_s", "tpot_s", "e2e_s"):
-        values = [getattr(o, name) for o in ok]
+    gaps = [gap for o in ok for gap in o.itl_s]
+    for name, values in [(name, [getattr(o, name) for o in ok]) for name in ("ttft_s", "tpot_s", "e2e_s")] + [
+        ("itl_s", gaps)
+    ]:
         summary[name] = {
             "p50": percentile(values, 50),
             "p99": percentile(values, 99),
@@ -159,6 +192,17 @@ def main(argv: list[str] | None = None) -> int:
         default=["auto"],
         help="--stack up: one run per value, side by side: auto (up's default) or threads per worker",
     )
+    parser.add_argument(
+        "--pruning",
+        nargs="+",
+        default=[None],
+        choices=["off", "default", "fast", "lazyllm"],
+        help="--stack up: one run per preset (up's --pruning), side by side; default: up's own",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=0, help="closed-loop streams instead of Poisson arrivals (0: arrivals)"
+    )
+    parser.add_argument("--ignore-eos", action="store_true", help="every answer --max-tokens long")
     parser.add_argument("--dtype", default=None, help="the workers' dtype (default: theirs, auto)")
     parser.add_argument("--prefill-workers", type=int, default=None, help="default: up's 1; --stack workers: 2")
     parser.add_argument("--decode-workers", type=int, default=None, help="default: up's 1; --stack workers: 2")
@@ -185,10 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts.append(corpus[offset : offset + length])
     report = {"args": vars(args), "workload": [length for _, length in items], "policies": {}}
     if args.stack == "up":
-        for threads in args.up_threads:
-            outcomes, wall = _through_up(args, threads, items, prompts)
+        for threads, pruning in [(threads, pruning) for threads in args.up_threads for pruning in args.pruning]:
+            outcomes, wall = _through_up(args, threads, pruning, items, prompts)
             summary = summarize(outcomes, wall, args.slo_ttft, args.slo_tpot)
-            name = f"up threads={threads}"
+            name = f"up threads={threads}" + (f" pruning={pruning}" if pruning else "")
             report["policies"][name] = {"summary": summary, "requests": [asdict(o) for o in outcomes]}
             print(f"{name}: {summary['ok']}/{summary['requests']} ok in {wall:.0f} s", flush=True)
     else:
@@ -199,20 +243,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _through_up(args, threads: str, items, prompts) -> tuple[list[Outcome], float]:
+def _through_up(args, threads: str, pruning: str | None, items, prompts) -> tuple[list[Outcome], float]:
     """Start `lazyserve up` with its defaults (and the flags given), replay the workload, stop it."""
+    flags = ["--prefill-actors", str(args.prefill_workers)] if args.prefill_workers else []
+    flags += ["--decode-workers", str(args.decode_workers)] if args.decode_workers else []
+    flags += ["--local-threshold", str(args.local_threshold)] if args.local_threshold is not None else []
+    flags += ["--dtype", args.dtype] if args.dtype else []
+    flags += [] if threads == "auto" else ["--threads", str(int(threads))]
+    flags += ["--pruning", pruning] if pruning else []
+    with running_up(args.model, flags, args.max_seconds) as url:
+        asyncio.run(replay(url, [(0.0, 300)], [prompts[0][:300]], 2, 120))  # warm-up
+        start = time.monotonic()
+        outcomes = asyncio.run(
+            replay(url, items, prompts, args.max_tokens, args.max_seconds, args.concurrency, args.ignore_eos)
+        )
+        return outcomes, time.monotonic() - start
+
+
+@contextlib.contextmanager
+def running_up(model: str, flags: list[str], request_timeout_s: float, port: int = 8100):
+    """`lazyserve up --model MODEL FLAGS` on 127.0.0.1:port: its URL once the gateway is ready;
+    stopped (every child with it) afterwards."""
     import signal
 
     from services.up import wait_for_gateway
 
-    port = 8100
-    command = ["up", "--model", args.model, "--port", str(port)]
-    command += ["--prefill-actors", str(args.prefill_workers)] if args.prefill_workers else []
-    command += ["--decode-workers", str(args.decode_workers)] if args.decode_workers else []
-    command += ["--local-threshold", str(args.local_threshold)] if args.local_threshold is not None else []
-    command += ["--dtype", args.dtype] if args.dtype else []
-    command += [] if threads == "auto" else ["--threads", str(int(threads))]
-    env = {"LAZYSERVE_GATEWAY_REQUEST_TIMEOUT_S": str(args.max_seconds)}
+    with socket.socket() as probe:  # else the READY line could come from whatever already answers there
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            raise RuntimeError(f"port {port} is in use (another lazyserve up?): stop what holds it") from None
+    command = ["up", "--model", model, "--port", str(port), *flags]
+    env = {"LAZYSERVE_GATEWAY_REQUEST_TIMEOUT_S": str(request_timeout_s)}
     process = subprocess.Popen(  # noqa: S603 -- this interpreter running our own CLI
         [sys.executable, "-m", "services.cli", *command], stdout=subprocess.PIPE, text=True, env={**os.environ, **env}
     )
@@ -224,10 +286,7 @@ def _through_up(args, threads: str, items, prompts) -> tuple[list[Outcome], floa
             raise RuntimeError(f"lazyserve {' '.join(command)} did not start")
         url = f"http://127.0.0.1:{port}"
         wait_for_gateway(url, 60.0)
-        asyncio.run(replay(url, [(0.0, 300)], [prompts[0][:300]], 2, 120))  # warm-up
-        start = time.monotonic()
-        outcomes = asyncio.run(replay(url, items, prompts, args.max_tokens, args.max_seconds))
-        return outcomes, time.monotonic() - start
+        yield url
     finally:
         process.send_signal(signal.SIGTERM)  # up stops every child it started
         process.wait(timeout=60)
@@ -281,7 +340,9 @@ def _through_workers(args, items, prompts, report: dict) -> None:
                 wait_for_gateway(url, 120.0)
                 asyncio.run(replay(url, [(0.0, 300)], [prompts[0][:300]], 2, 120))  # warm-up
                 start = time.monotonic()
-                outcomes = asyncio.run(replay(url, items, prompts, args.max_tokens, args.max_seconds))
+                outcomes = asyncio.run(
+                    replay(url, items, prompts, args.max_tokens, args.max_seconds, args.concurrency, args.ignore_eos)
+                )
                 wall = time.monotonic() - start
             finally:
                 gateway.terminate()
@@ -310,8 +371,10 @@ def _print(report: dict) -> None:
                 f"{s['ttft_s']['p99']:.2f}",
                 f"{s['tpot_s']['p50'] * 1000:.0f}",
                 f"{s['tpot_s']['p99'] * 1000:.0f}",
+                f"{s['itl_s']['p50'] * 1000:.0f}",
                 f"{s['e2e_s']['p50']:.2f}",
                 f"{s['e2e_s']['p99']:.2f}",
+                f"{s['output_tokens_per_s']:.1f}",
                 f"{s['throughput_rps']:.3f}",
                 f"{s['goodput_rps']:.3f}",
                 json.dumps(s["routes"]),
@@ -326,8 +389,10 @@ def _print(report: dict) -> None:
                 "TTFT p99 s",
                 "TPOT p50 ms",
                 "TPOT p99 ms",
+                "ITL p50 ms",
                 "e2e p50 s",
                 "e2e p99 s",
+                "output tok/s",
                 "req/s",
                 "goodput req/s",
                 "routes",
@@ -340,3 +405,27 @@ def _print(report: dict) -> None:
         ratio = policies["length"]["summary"]["ttft_s"]["p99"] / policies["round_robin"]["summary"]["ttft_s"]["p99"]
         report["p99_ttft_length_over_round_robin"] = ratio
         print(f"\np99 TTFT, length-aware / round-robin: {ratio:.3f} (target <= 0.8)")
+    report["against_off"] = against_off(policies)
+    for name, ratios in report["against_off"].items():
+        print(
+            f"{name} against pruning=off: output tok/s {ratios['output_tokens_per_s']:.2f}x, "
+            f"ITL p50 {ratios['itl_p50']:.2f}x, TTFT p50 {ratios['ttft_p50_speedup']:.2f}x faster"
+        )
+
+
+def against_off(policies: dict) -> dict:
+    """Each pruned run against the `pruning=off` run with the same threads: output tokens/s and
+    ITL p50 as ratios (pruned / off), TTFT p50 as a speedup (off / pruned)."""
+    ratios = {}
+    for name, entry in policies.items():
+        base, _, pruning = name.partition(" pruning=")
+        off = policies.get(f"{base} pruning=off")
+        if not pruning or pruning == "off" or off is None:
+            continue
+        mine, theirs = entry["summary"], off["summary"]
+        ratios[name] = {
+            "output_tokens_per_s": mine["output_tokens_per_s"] / theirs["output_tokens_per_s"],
+            "itl_p50": mine["itl_s"]["p50"] / theirs["itl_s"]["p50"],
+            "ttft_p50_speedup": theirs["ttft_s"]["p50"] / mine["ttft_s"]["p50"],
+        }
+    return ratios

@@ -70,7 +70,7 @@ def cmd_prefill_worker(args) -> int:
     from services.prefill.main import serve
     from services.prefill.settings import PrefillSettings
 
-    names = ("host", "port", "num_actors", "num_cpus", "num_gpus", "prefill_resource")
+    names = ("host", "port", "num_actors", "num_cpus", "num_gpus", "prefill_resource", "niceness")
     return serve(PrefillSettings(**_service_overrides(args, names)), args.ray_address)
 
 
@@ -100,6 +100,7 @@ def cmd_up(args) -> int:
             prefix_cache_bytes=args.prefix_cache_bytes,
             local_threshold=args.local_threshold,
             pruning_preset=args.pruning,
+            prefill_niceness=args.prefill_niceness,
             api_keys=args.api_key or [],
         )
     )
@@ -132,6 +133,12 @@ def cmd_bench(args, rest: list[str]) -> int:
 
     module = importlib.import_module(f"bench.{args.name}")
     return module.main(rest)
+
+
+NICENESS_HELP = (
+    "the prefill actors' OS nice value, 0-19 (LAZYSERVE_PREFILL_NICENESS; default 0): higher gives a decode "
+    "worker on the same host the cores first, so running streams slow less while a long prompt prefills"
+)
 
 
 def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
@@ -199,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-resource", type=float, default=None, help="units of the custom `prefill` resource per actor"
     )
     prefill.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
+    prefill.add_argument("--niceness", type=int, default=None, help=NICENESS_HELP)
 
     stack = sub.add_parser(
         "up", help="the whole system on this host: decode workers, prefill actors on a local Ray, the gateway"
@@ -222,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_argument(
         "--local-threshold", type=int, default=None, help="prompts shorter than this are prefilled on a decode worker"
     )
+    stack.add_argument("--prefill-niceness", type=int, default=None, help=NICENESS_HELP)
     stack.add_argument(
         "--pruning",
         default=None,
@@ -266,9 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         add_help=False,
-        help="benchmarks: ttft, decode, step, disagg, serve, prefix (lazyserve bench NAME --help for flags)",
+        help="benchmarks: ttft, decode, step, disagg, serve, interference, prefix (bench NAME --help: its flags)",
     )
-    bench.add_argument("name", choices=["ttft", "decode", "step", "disagg", "serve", "prefix"])
+    bench.add_argument("name", choices=["ttft", "decode", "step", "disagg", "serve", "interference", "prefix"])
 
     sub.add_parser(
         "eval", add_help=False, help="the long-context accuracy suite under many pruning schedules (--help for flags)"

@@ -182,6 +182,7 @@ class UpOptions:
     prefix_cache_bytes: str | None = None  # each worker's; None: LAZYSERVE_PREFIX_CACHE_BYTES, else 2 GiB
     local_threshold: int | None = None
     pruning_preset: str | None = None
+    prefill_niceness: int | None = None  # None: LAZYSERVE_PREFILL_NICENESS, else 0
     api_keys: list[str] = field(default_factory=list)
     timeout: float = 600.0
 
@@ -206,6 +207,7 @@ def up(options: UpOptions) -> int:
                 for i in range(o.decode_workers)
             ]
             prefill_args = ["prefill-worker", "--port", str(o.prefill_port), "--num-actors", str(o.prefill_actors)]
+            prefill_args += ["--niceness", str(o.prefill_niceness)] if o.prefill_niceness is not None else []
             prefill = stack.start("prefill", [*prefill_args, *engine])
             decode_addresses = [stack.wait_ready(child, "decode", 1, o.timeout)[0] for child in decoders]
             console.print(f"decode workers ready: {', '.join(decode_addresses)}")

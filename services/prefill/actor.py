@@ -28,8 +28,8 @@ class PrefillActor:
         setup_tracing("lazyserve-prefill")
         settings = PrefillSettings.model_validate_json(settings_json)
         engine = settings.engine
-        if settings.reset_niceness:
-            _reset_niceness()
+        if settings.niceness is not None:
+            set_niceness(settings.niceness)
         # Ray sets OMP_NUM_THREADS to the actor's CPUs (1 by default), which would leave a long
         # prompt's prefill on one core: the actors of this worker share the node's cores instead.
         import torch
@@ -75,15 +75,24 @@ class PrefillActor:
         return asdict(self.worker.servicer.counters)
 
 
-def _reset_niceness() -> None:
-    """Ray starts workers at nice 15 so its own daemons stay responsive. Prefill is the latency
-    path: at nice 15 any busy neighbour (a decode worker receiving our frames) preempts its
-    compute threads, and every parallel region waits for the slowest thread. Back to 0 where the
-    OS allows it (raising priority needs CAP_SYS_NICE); otherwise Ray's default stays."""
+def set_niceness(value: int) -> None:
+    """Every thread of this process at nice `value` (Linux keeps a nice value per thread; threads
+    started later inherit their starter's, and this thread starts the gRPC server and torch's).
+
+    Ray starts workers at nice 15 so its own daemons stay responsive. Prefill is the latency path:
+    at nice 15 any busy neighbour (a decode worker receiving our frames) preempts its compute
+    threads, and every parallel region waits for the slowest thread, so the default is 0. A value
+    above 0 is a deliberate priority for the decode loop on a shared host (bench interference).
+    Lowering the value needs CAP_SYS_NICE; where the OS refuses, Ray's stays."""
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, 0)
+        threads = [int(name) for name in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: this thread only
+        threads = [0]
+    try:
+        for thread in threads:
+            os.setpriority(os.PRIO_PROCESS, thread, value)
     except OSError as error:
-        logging.getLogger(__name__).info("prefill actor keeps Ray's niceness: %s", error)
+        log.info("prefill actor keeps its niceness (%d): %s", os.getpriority(os.PRIO_PROCESS, 0), error)
 
 
 def ensure_ray(address: str | None = None, **init_kwargs) -> None:

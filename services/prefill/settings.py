@@ -27,5 +27,12 @@ class PrefillSettings(WorkerSettings):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     prefill_resource: float = Field(0.0, ge=0, description="units of the custom `prefill` resource each actor needs")
-    reset_niceness: bool = Field(True, description="undo Ray's nice 15 for the actor where permitted")
+    niceness: int | None = Field(
+        0,
+        ge=0,
+        le=19,
+        description="the actor's OS nice value, every thread of it: 0 shares the cores equally with a decode "
+        "worker on the same host; higher yields them to the decode loop while it runs (the running streams' "
+        "inter-token latency against a long prompt's TTFT); None keeps Ray's 15",
+    )
     max_restarts: int = Field(3, ge=-1, description="Ray restarts of a crashed actor; -1: forever")
