@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-niceness", nargs="+", default=["auto"], help="one run each; auto: up's default")
     parser.add_argument("--pruning", default=None, choices=["off", "default", "fast", "lazyllm"])
     parser.add_argument("--dtype", default=None, help="the workers' dtype (default: up's, auto)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: up's)")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--stream-len", type=int, default=256, help="the streams' prompt tokens")
     parser.add_argument("--stream-tokens", type=int, default=2048, help="the streams' max_tokens (closed early)")
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         flags = [] if niceness == "auto" else ["--prefill-niceness", str(int(niceness))]
         flags += ["--pruning", args.pruning] if args.pruning else []
         flags += ["--dtype", args.dtype] if args.dtype else []
+        flags += ["--threads", str(args.threads)] if args.threads else []
         with running_up(args.model, flags, args.max_seconds) as url:
             warm_up = measure(url, streams[:1], [warm], 0.5, args.max_seconds, args.stream_tokens)  # both paths
             asyncio.run(warm_up)

@@ -269,6 +269,7 @@ def running_up(model: str, flags: list[str], request_timeout_s: float, port: int
     from services.up import wait_for_gateway
 
     with socket.socket() as probe:  # else the READY line could come from whatever already answers there
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: only a listener blocks
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:

@@ -1,6 +1,7 @@
 """The prefill actor's niceness (a priority between prefill and a decode loop on one host) holds
 for every thread that computes: those there when the actor is ready and those a prefill starts
-(gRPC handlers, torch's pool), on a real local Ray."""
+(gRPC handlers, torch's pool), on a real local Ray; and for its session's autogroup, where the
+kernel shares CPU time between sessions first."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import ray
 from helpers import random_ids
 
-from services.prefill.actor import actor_addresses, launch_prefill_actors
+from services.prefill.actor import actor_addresses, autogroup_niceness, launch_prefill_actors
 from services.prefill.settings import PrefillSettings
 from services.router.client import PrefillClient, run_disaggregated
 from shared.engine import OFF, SamplingParams, generate
@@ -28,6 +29,7 @@ def test_every_thread_of_the_actor_runs_at_its_niceness(local_ray, tiny_llama, d
         pid = ray.get(actor.pid.remote())
         ready = _thread_niceness(pid)
         assert set(ready.values()) == {17}, ready
+        assert autogroup_niceness(pid) in (17, None)  # None: a kernel without autogroups
         _, decode = decode_worker(tiny_llama)
         ids = random_ids(tiny_llama, 300)
         params = SamplingParams(max_new_tokens=4)

@@ -20,3 +20,22 @@ def test_every_up_flag_has_help():
 def test_host_key_and_ports_are_flags():
     flags = {flag for action in _up()._actions for flag in action.option_strings}
     assert {"--host", "--api-key", "--port", "--decode-port", "--prefill-port"} <= flags
+
+
+def test_prefill_niceness_reaches_the_prefill_settings(monkeypatch):
+    """`up --prefill-niceness` becomes `prefill-worker --niceness`, which becomes the setting; the
+    environment sets it too, and a value the OS has no meaning for is refused."""
+    import pytest
+    from pydantic import ValidationError
+
+    from services.cli import _service_overrides
+    from services.prefill.settings import PrefillSettings
+
+    assert build_parser().parse_args(["up", "--prefill-niceness", "10"]).prefill_niceness == 10
+    args = build_parser().parse_args(["prefill-worker", "--niceness", "7"])
+    assert PrefillSettings(**_service_overrides(args, ("niceness",))).niceness == 7
+    assert PrefillSettings().niceness == 0
+    monkeypatch.setenv("LAZYSERVE_PREFILL_NICENESS", "12")
+    assert PrefillSettings().niceness == 12
+    with pytest.raises(ValidationError, match="niceness"):
+        PrefillSettings(niceness=20)
