@@ -76,21 +76,15 @@ class PrefillActor:
 
 
 def set_niceness(value: int) -> None:
-    """Run this process at nice `value` against the others on its host.
-
-    Two levels, because Linux schedules in two: with autogroups on (the default of most
-    distributions' kernels), CPU time is first shared fairly between sessions, and a nice value
-    orders only the threads within one. `up` starts each worker in its own session, so a decode
-    worker's streams compete with this actor's session as a whole: its autogroup is set to
-    `value` (/proc/self/autogroup) where the kernel has one. Within the session, every thread of
-    this process gets `value` too (Linux keeps a nice value per thread; threads started later
-    inherit their starter's, and this thread starts the gRPC server and torch's).
+    """Every thread of this process at nice `value` (Linux keeps a nice value per thread; threads
+    started later inherit their starter's, and this thread starts the gRPC server and torch's).
 
     Ray starts workers at nice 15 so its own daemons stay responsive. Prefill is the latency path:
     at nice 15 any busy neighbour (a decode worker receiving our frames) preempts its compute
     threads, and every parallel region waits for the slowest thread, so the default is 0. A value
-    above 0 is a deliberate priority for the decode loop on a shared host (bench interference).
-    Lowering a value needs CAP_SYS_NICE; where the OS refuses, the current one stays."""
+    above 0 is a deliberate priority for the decode loop on a shared host (bench interference);
+    against processes of other sessions it takes set_session_niceness as well. Lowering a value
+    needs CAP_SYS_NICE; where the OS refuses, the current one stays."""
     try:
         threads = [int(name) for name in os.listdir("/proc/self/task")]
     except OSError:  # no procfs: this thread only
@@ -100,13 +94,28 @@ def set_niceness(value: int) -> None:
             os.setpriority(os.PRIO_PROCESS, thread, value)
     except OSError as error:
         log.info("prefill actor keeps its niceness (%d): %s", os.getpriority(os.PRIO_PROCESS, 0), error)
+
+
+def set_session_niceness(value: int) -> bool:
+    """This session's autogroup at nice `value`, from its leader; True if it took.
+
+    With autogroups on (the default of most distributions' kernels), Linux shares CPU time
+    between sessions first and a nice value orders only the threads within one. `up` starts
+    each worker in its own session, so a decode worker competes with the prefill worker's
+    session as a whole: its leader (the prefill-worker command, whose Ray and actors share its
+    session) sets the session's value. Only a session leader does it, so a process that merely
+    hosts actors (a test, a driver) never lowers the priority of its caller's shell."""
+    if os.getsid(0) != os.getpid():
+        return False
     try:
         with open("/proc/self/autogroup", "w") as autogroup:
             autogroup.write(str(value))
     except FileNotFoundError:
-        pass  # a kernel without autogroups: the threads' values are all there is
+        return False  # a kernel without autogroups: the threads' values are all there is
     except OSError as error:
-        log.info("prefill actor keeps its autogroup's niceness: %s", error)
+        log.info("the prefill worker's session keeps its niceness: %s", error)
+        return False
+    return True
 
 
 def autogroup_niceness(pid: int | str = "self") -> int | None:

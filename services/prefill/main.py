@@ -6,7 +6,7 @@ import logging
 
 import ray
 
-from services.prefill.actor import actor_addresses, launch_prefill_actors
+from services.prefill.actor import actor_addresses, launch_prefill_actors, set_session_niceness
 from services.prefill.settings import PrefillSettings
 from shared.net.lifecycle import wait_for_signal
 from shared.net.telemetry import setup_logging
@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 
 def serve(settings: PrefillSettings, ray_address: str | None) -> int:
     setup_logging()
+    if settings.niceness is not None and set_session_niceness(settings.niceness):
+        log.info("this session (its Ray and actors) runs at nice %d against other sessions", settings.niceness)
     handles = launch_prefill_actors(settings, ray_address)
     for address in actor_addresses(handles):
         print(f"READY prefill {address}", flush=True)

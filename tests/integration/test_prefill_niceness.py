@@ -1,7 +1,7 @@
 """The prefill actor's niceness (a priority between prefill and a decode loop on one host) holds
 for every thread that computes: those there when the actor is ready and those a prefill starts
-(gRPC handlers, torch's pool), on a real local Ray; and for its session's autogroup, where the
-kernel shares CPU time between sessions first."""
+(gRPC handlers, torch's pool), on a real local Ray. Against other sessions (Linux's autogroups)
+the prefill-worker command sets its session's value, and only as the session's leader."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_every_thread_of_the_actor_runs_at_its_niceness(local_ray, tiny_llama, d
         pid = ray.get(actor.pid.remote())
         ready = _thread_niceness(pid)
         assert set(ready.values()) == {17}, ready
-        assert autogroup_niceness(pid) in (17, None)  # None: a kernel without autogroups
+        assert autogroup_niceness(pid) == autogroup_niceness()  # the actor leaves its session's alone
         _, decode = decode_worker(tiny_llama)
         ids = random_ids(tiny_llama, 300)
         params = SamplingParams(max_new_tokens=4)
@@ -40,3 +40,23 @@ def test_every_thread_of_the_actor_runs_at_its_niceness(local_ray, tiny_llama, d
         assert set(after.values()) == {17}, after
     finally:
         ray.kill(actor)
+
+
+def test_only_a_session_leader_sets_its_sessions_niceness():
+    """A process inside another's session (a test, a driver hosting actors) leaves the session's
+    priority alone; one in a session of its own (the prefill-worker command under up) sets it."""
+    import subprocess
+    import sys
+
+    code = (
+        "from services.prefill.actor import autogroup_niceness as a, set_session_niceness as s;"
+        "before = a(); took = s(9); print(took, before, a())"
+    )
+    inside = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert inside.returncode == 0, inside.stderr
+    took, before, after = inside.stdout.split()
+    assert took == "False" and after == before
+    alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, start_new_session=True)
+    assert alone.returncode == 0, alone.stderr
+    took, _, after = alone.stdout.split()
+    assert (took, after) in (("True", "9"), ("False", "None"))  # None: a kernel without autogroups
