@@ -68,11 +68,13 @@ def test_disaggregated_tokens_equal_in_process(
     else:
         decode = decode_worker(loaded)[1]
     prefill = PrefillClient(actor_addresses([actors[model]])[0])
-    # The default preset, also below its minimum prompt length: its query windows travel too.
+    # The default preset, also below its minimum prompt length: its query windows travel too; and
+    # re-selecting every step without a revival budget, so that 12 tokens surely revive some.
+    revive_every_step = {"min_prompt_tokens": 0, "reselect_every": 1, "revive_budget": None}
     config = (
         OFF
         if pruning == "off"
-        else preset("default", loaded.engine.spec.num_layers).model_copy(update={"min_prompt_tokens": 0})
+        else preset("default", loaded.engine.spec.num_layers).model_copy(update=revive_every_step)
     )
     params = SAMPLINGS[sampling]
     ids = _prompt(loaded)
