@@ -46,6 +46,20 @@ async def sse_events(response):
             yield json.loads(line[6:])
 
 
+async def completion_events(response):
+    """sse_events of a streamed completion that must not fail: an error event raises with its message."""
+    response.raise_for_status()
+    async for data in sse_events(response):
+        if "error" in data:
+            raise RuntimeError(data["error"]["message"])
+        yield data
+
+
+def has_text(data: dict) -> bool:
+    """Whether a streamed completion's event carries text (a token the client sees)."""
+    return bool(data["choices"] and data["choices"][0]["text"])
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]

@@ -234,18 +234,15 @@ async def _through_gateway(url: str, ids: list[int], preset: str, max_tokens: in
     """A streamed completion: (seconds to the first token, the response's metrics)."""
     import httpx
 
-    from bench.common import sse_events
+    from bench.common import completion_events, has_text
 
     body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True, "pruning": preset}
     ttft, metrics = None, {}
     async with httpx.AsyncClient(timeout=600.0) as client:
         start = time.perf_counter()
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for data in sse_events(response):
-                if "error" in data:
-                    raise RuntimeError(data["error"]["message"])
-                if ttft is None and data["choices"] and data["choices"][0]["text"]:
+            async for data in completion_events(response):
+                if ttft is None and has_text(data):
                     ttft = time.perf_counter() - start
                 metrics = data.get("metrics") or metrics
     if ttft is None or not metrics:

@@ -22,18 +22,15 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import markdown_table, sse_events, write_json
+from bench.common import completion_events, has_text, markdown_table, write_json
 from bench.serve import percentile, running_up
 
 
 async def _stream(client, url: str, prompt: list[int], max_tokens: int, stamps: list[float], started) -> None:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for data in sse_events(response):
-            if "error" in data:
-                raise RuntimeError(data["error"]["message"])
-            if data["choices"] and data["choices"][0]["text"]:
+        async for data in completion_events(response):
+            if has_text(data):
                 stamps.append(time.monotonic())
                 started.set()
 
@@ -43,11 +40,8 @@ async def _long(client, url: str, prompt: list[int]) -> tuple[float, float]:
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
     sent = time.monotonic()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for data in sse_events(response):
-            if "error" in data:
-                raise RuntimeError(data["error"]["message"])
-            if data["choices"] and data["choices"][0]["text"]:
+        async for data in completion_events(response):
+            if has_text(data):
                 return sent, time.monotonic()
     return sent, time.monotonic()
 
