@@ -136,14 +136,11 @@ def main(argv: list[str] | None = None) -> int:
                     samples["prefill_compute"].append(result.prefill.stats.ttft_s)
                 reply = result.prefill
                 full_kv = length * spec.num_layers * spec.kv_bytes_per_token_layer
-                medians = {name: statistics.median(values) for name, values in samples.items()}
+                record = _record(length, mode, samples, "disagg_ttft")
+                medians = record["median_s"]
                 report["results"].append(
-                    {
-                        "tokens": length,
-                        "mode": mode,
-                        "median_s": medians,
-                        "samples_s": samples,
-                        "ttft_ratio": medians["disagg_ttft"] / medians["local_ttft"],
+                    record
+                    | {
                         "total_ratio": medians["disagg_total"] / medians["local_total"],
                         "computed_fraction": reply.stats.prefill_token_layers / (length * spec.num_layers),
                         "full_kv_bytes": full_kv,
@@ -167,6 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     write_json(Path(args.out), report)
     print(f"\nwrote {args.out}")
     return 0
+
+
+def _record(length: int, mode: str, samples: dict[str, list[float]], ttft: str) -> dict:
+    """One (length, mode) result: the samples, their medians, and the `ttft` path against in-process."""
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    return {
+        "tokens": length,
+        "mode": mode,
+        "median_s": medians,
+        "samples_s": samples,
+        "ttft_ratio": medians[ttft] / medians["local_ttft"],
+    }
 
 
 def _via_up(args) -> int:
@@ -199,17 +208,9 @@ def _via_up(args) -> int:
                     ttft, metrics = asyncio.run(_through_gateway(url, ids.tolist(), preset, args.new_tokens))
                     samples["up_ttft"].append(ttft)
                     samples["actor_prefill"].append(metrics["ttft_s"])
-                medians = {name: statistics.median(values) for name, values in samples.items()}
-                report["results"].append(
-                    {
-                        "tokens": length,
-                        "mode": mode,
-                        "median_s": medians,
-                        "samples_s": samples,
-                        "ttft_ratio": medians["up_ttft"] / medians["local_ttft"],
-                        "path_s": medians["up_ttft"] - medians["actor_prefill"],
-                    }
-                )
+                record = _record(length, mode, samples, "up_ttft")
+                medians = record["median_s"]
+                report["results"].append(record | {"path_s": medians["up_ttft"] - medians["actor_prefill"]})
                 print(f"{length} tokens, {mode}: done", flush=True)
     rows = [
         [
