@@ -104,19 +104,19 @@ def add_decode_workload_arguments(parser, concurrency: list[int], repeats: int) 
     parser.add_argument("--threads", type=int, default=2)
 
 
-def schedule_configs(schedules: list[str], num_layers: int) -> dict:
-    """name -> PruneConfig for each NAME=JSON schedule given on a command line."""
+def schedule_configs(schedules: list[str], spec) -> dict:
+    """name -> PruneConfig for each NAME=JSON schedule given on a command line, checked against
+    the model (spec: ModelSpec)."""
     from shared.contract import PruneConfig
 
     configs = {}
     for item in schedules:
         name, _, body = item.partition("=")
-        configs[name] = PruneConfig.model_validate_json(body).check_for(num_layers)
+        configs[name] = spec.check(PruneConfig.model_validate_json(body))
     return configs
 
 
-def pruning_configs(presets: list[str], schedules: list[str], num_layers: int) -> dict:
-    """name -> PruneConfig: the named presets for this depth, then each NAME=JSON schedule."""
-    from shared.contract import preset
-
-    return {name: preset(name, num_layers) for name in presets} | schedule_configs(schedules, num_layers)
+def pruning_configs(presets: list[str], schedules: list[str], spec) -> dict:
+    """name -> PruneConfig: the named presets fitted to the model (spec: ModelSpec), then each
+    NAME=JSON schedule."""
+    return {name: spec.preset(name) for name in presets} | schedule_configs(schedules, spec)

@@ -170,7 +170,7 @@ def bench_dtype(args, dtype: str) -> dict:
 
     loaded = load_model(args.model, dtype=dtype)
     model = loaded.engine
-    configs = pruning_configs(args.presets, args.schedule, model.spec.num_layers)
+    configs = pruning_configs(args.presets, args.schedule, model.spec)
     prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
     throughput = bench_throughput(model, prompts, configs, args.concurrency, args.tokens, args.repeats)
     attention = bench_attention(

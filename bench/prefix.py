@@ -194,7 +194,6 @@ def in_process(args) -> dict:
     import torch
 
     from bench.common import long_text_ids
-    from shared.contract import preset
     from shared.engine import PrefixReuse, prefill
     from shared.models.weights import load_model
     from shared.net.settings import tune_malloc
@@ -202,7 +201,7 @@ def in_process(args) -> dict:
     tune_malloc()  # as every worker does
     loaded = load_model(args.model, dtype=args.dtype or "auto")
     model = loaded.engine
-    config = preset("default", model.spec.num_layers)
+    config = model.spec.preset("default")
     document = long_text_ids(loaded.tokenizer, args.doc_tokens, model.spec.vocab_size)
     question = long_text_ids(loaded.tokenizer, args.doc_tokens + 40, model.spec.vocab_size)[-40:]
     prompt = torch.cat([document, question])

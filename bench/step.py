@@ -156,7 +156,7 @@ def bench_dtype(args, dtype: str) -> dict:
     model = loaded.engine
     prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
     results = []
-    for name, config in pruning_configs(args.presets, args.schedule, model.spec.num_layers).items():
+    for name, config in pruning_configs(args.presets, args.schedule, model.spec).items():
         for count in args.concurrency:
             result = profile(model, prompts, name, config, count, args.steps, args.repeats)
             print(f"{dtype} {name} x{count}: {result['step_ms']:.1f} ms a step", flush=True)

@@ -132,13 +132,12 @@ def bench_decode(model, ids, configs: dict, tokens, repeats):
 
 def bench_dtype(args, dtype: str) -> dict:
     """Every path at one dtype: prefill per length, then decode."""
-    from shared.contract import preset
     from shared.engine import PruneConfig
     from shared.models.weights import load_model
 
     loaded = load_model(args.model, dtype=dtype, device=args.device)
     model = loaded.engine
-    configs = {name: preset(name, model.spec.num_layers) for name in args.presets}
+    configs = {name: model.spec.preset(name) for name in args.presets}
     if args.pruning:
         configs["custom"] = PruneConfig.model_validate_json(args.pruning)
     report = {

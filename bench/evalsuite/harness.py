@@ -47,10 +47,10 @@ def resolve_configs(names: list[str], extra: list[str], llm) -> dict:
     configs = {}
     for name in names:
         if name in SCHEDULES:
-            configs[name] = PruneConfig(**SCHEDULES[name]).check_for(llm.spec.num_layers)
+            configs[name] = llm.spec.check(PruneConfig(**SCHEDULES[name]))
         else:
             configs[name] = llm.resolve_pruning(name)
-    return configs | schedule_configs(extra, llm.spec.num_layers)
+    return configs | schedule_configs(extra, llm.spec)
 
 
 def case_ids(llm, case) -> list[int]:

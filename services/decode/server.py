@@ -22,7 +22,6 @@ from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.decode.scheduler import FAILED, TOKEN, Scheduler, Sequence
 from services.decode.settings import DecodeSettings
 from services.decode.transfers import TransferTable
-from shared.contract import preset
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
 from shared.engine import PrefillRun, PrefixReuse, PruneConfig, Sampled, Sampler, SamplingParams, choice_decodings
 from shared.engine.grammar import GrammarError
@@ -51,7 +50,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             prefix=self.prefix,
         )
         # For a prompt that names no pruning (the router always names one).
-        self.default_pruning = preset(settings.engine.pruning_preset, loaded.engine.spec.num_layers)
+        self.default_pruning = loaded.engine.spec.preset(settings.engine.pruning_preset)
 
     # ------------------------------------------------------------------ PushKV
     def PushKV(self, request_iterator, context):

@@ -20,7 +20,6 @@ from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.prefill.sender import KVSender, SenderFactory
 from services.prefill.settings import PrefillSettings
-from shared.contract import preset
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
 from shared.engine import PrefixReuse, Sampler, Stats, fill_prefill_stats, prefill
 from shared.engine.grammar import GrammarError
@@ -51,7 +50,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.prefix = PrefixReuse.configured(loaded.engine, loaded.name, settings.engine)
         self._slots = threading.Semaphore(settings.max_concurrent_prefills)
         # For a request that names no pruning (the router always names one).
-        self.default_pruning = preset(settings.engine.pruning_preset, self.model.spec.num_layers)
+        self.default_pruning = self.model.spec.preset(settings.engine.pruning_preset)
 
     def Prefill(self, request: pb.PrefillRequest, context):
         spec = self.model.spec

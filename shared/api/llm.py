@@ -76,7 +76,7 @@ class LLM(TextModel):
         self, ids, sampling: SamplingParams, pruning: PruneConfig, stop=None, depths: bool = False
     ) -> list[Completion]:
         """Every choice (sampling.n) decoded from one prefill, each with its own copy of the cache."""
-        pruning.check_for(self.engine.spec.num_layers)
+        self.engine.spec.check(pruning)
         start = time.perf_counter()
         ids_t = torch.as_tensor(ids, dtype=torch.long)
         cache, logits = prefill_cached(self.engine, ids_t, pruning, sampling.max_new_tokens, self.prefix)

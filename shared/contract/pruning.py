@@ -104,11 +104,19 @@ class PruneConfig(BaseModel):
         """Whether decode steps select again (and so may revive tokens)."""
         return self.mode == "lazy"
 
-    def check_for(self, num_layers: int) -> PruneConfig:
-        """Raise if a stage does not fit a model of num_layers layers."""
+    def check_for(self, num_layers: int, stage_layers: tuple[int, ...] | None = None) -> PruneConfig:
+        """Raise if a stage does not fit a model of num_layers layers. stage_layers: on a model with
+        sliding-window layers, the global ones (ModelSpec.stage_layers), the only layers whose last
+        query sees the whole prompt and so can score it; None allows every layer."""
         for layer, _ in self.stages:
             if layer >= num_layers - 1:
                 raise ValueError(f"stage layer {layer} must be below the last layer ({num_layers - 1})")
+            if stage_layers is not None and layer not in stage_layers:
+                allowed = [s for s in stage_layers if s < num_layers - 1]
+                raise ValueError(
+                    f"stage layer {layer} is a sliding-window layer, whose queries do not see the whole prompt; "
+                    f"this model's stages may sit at its global layers {allowed}"
+                )
         return self
 
     def keep_at(self, layer: int) -> float | None:
@@ -163,8 +171,11 @@ PRESETS: dict[str, dict] = {
 PRESET_NAMES = tuple(PRESETS)
 
 
-def preset(name: str, num_layers: int) -> PruneConfig:
-    """The named preset for a model of num_layers layers."""
+def preset(name: str, num_layers: int, stage_layers: tuple[int, ...] | None = None) -> PruneConfig:
+    """The named preset for a model of num_layers layers. With stage_layers (a model with
+    sliding-window layers: its global ones), each stage moves to the first of them at or after its
+    depth, or the last one before it when none is left: pruning never cuts earlier than the rule
+    says where it can help it, and scores only where the query sees every token."""
     if name not in PRESETS:
         raise ValueError(f"unknown pruning preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
     fields = dict(PRESETS[name])
@@ -172,9 +183,18 @@ def preset(name: str, num_layers: int) -> PruneConfig:
         stages: dict[int, float] = {}
         for depth, keep in fields["stages"]:
             layer = min(max(round(depth * num_layers), 0), num_layers - 2)
-            stages.setdefault(layer, keep)
+            stages.setdefault(_stage_layer(layer, num_layers, stage_layers), keep)
         fields["stages"] = tuple(sorted(stages.items()))
     return PruneConfig(**fields)
+
+
+def _stage_layer(layer: int, num_layers: int, stage_layers: tuple[int, ...] | None) -> int:
+    if stage_layers is None:
+        return layer
+    allowed = [s for s in stage_layers if s < num_layers - 1]
+    if not allowed:
+        raise ValueError("this model has no global attention layer below its last one to prune at")
+    return next((s for s in allowed if s >= layer), allowed[-1])
 
 
 def default_pruning(num_layers: int) -> PruneConfig:

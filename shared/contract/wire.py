@@ -40,7 +40,8 @@ def pruning_to_pb(config: PruneConfig) -> pb.PruneConfig:
     )
 
 
-def pruning_from_pb(message: pb.PruneConfig, num_layers: int) -> PruneConfig:
+def pruning_from_pb(message: pb.PruneConfig, spec) -> PruneConfig:
+    """The schedule a message states, checked against the model (spec: ModelSpec)."""
     # proto3 cannot tell unset from empty: an empty mode means "off", and an empty granularity or
     # pool, or a zero block size, window, pool kernel or reselect_every, means PruneConfig's default.
     fields = {
@@ -62,7 +63,7 @@ def pruning_from_pb(message: pb.PruneConfig, num_layers: int) -> PruneConfig:
     }
     try:
         config = PruneConfig(**{name: value for name, value in fields.items() if value is not None})
-        return config.check_for(num_layers)
+        return spec.check(config)
     except (ValidationError, ValueError) as error:
         raise FrameError(f"pruning: {_first_line(error)}") from None
 
@@ -150,9 +151,9 @@ def prompt_from_pb(
         raise FrameError("prompt_ids is empty")
     check_token_ids(prompt_ids, spec.vocab_size, "prompt_ids")
     if isinstance(pruning, PruneConfig):
-        config = pruning.check_for(spec.num_layers)
+        config = spec.check(pruning)
     else:
-        config = pruning_from_pb(pruning, spec.num_layers)
+        config = pruning_from_pb(pruning, spec)
     params = sampling_from_pb(sampling, spec.vocab_size)
     if len(prompt_ids) + params.max_new_tokens > spec.max_positions:
         raise FrameError(

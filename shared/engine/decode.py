@@ -35,7 +35,17 @@ from collections.abc import Sequence
 import torch
 
 from shared.engine.cache import LazyCache, QueryWindow
-from shared.engine.layer import attend, finish, logits_of, project_qkv, window_probs, window_scores
+from shared.engine.layer import (
+    attend,
+    both,
+    causal_mask,
+    finish,
+    logits_of,
+    project_qkv,
+    window_mask,
+    window_probs,
+    window_scores,
+)
 from shared.engine.model import EngineModel
 from shared.engine.pruning import PruneConfig, ScoreInputs, scorer_for, select
 
@@ -69,9 +79,11 @@ class _Rows:
         if self.key_live is not None and bool(self.key_live.all()):
             self.key_live = None  # every key held here is live (no revival yet): no mask to build or apply
         if last or self.rows.shape[0] == 1:
-            return attend(self.model, q[:, :, -1:], kv.k, kv.v, mask=self.key_live)
-        # Revived rows attend causally, by original position, over the live keys.
-        mask = kv.positions[None, :] <= self.rows[:, None]
+            window = window_mask(self.model, index, self.rows[-1:], kv.positions)
+            live = None if self.key_live is None else self.key_live[None]
+            return attend(self.model, q[:, :, -1:], kv.k, kv.v, mask=both(live, window))
+        # Revived rows attend causally, by original position, over the live keys in the window.
+        mask = both(causal_mask(self.rows, kv.positions), window_mask(self.model, index, self.rows, kv.positions))
         return attend(self.model, q, kv.k, kv.v, mask=mask if self.key_live is None else mask & self.key_live[None])
 
     def reselect(self, index: int) -> None:

@@ -197,7 +197,7 @@ def stream(
     sampler: one built with the model's grammars, for structured output; prefix: a prefix cache
     to start from and to leave the prompt in."""
     ids = torch.as_tensor(ids, dtype=torch.long)
-    config.check_for(model.spec.num_layers)
+    model.spec.check(config)
     start = time.perf_counter()
     cache, logits = prefill_cached(model, ids, config, params.max_new_tokens, prefix)
     fill_prefill_stats(generation.stats, cache, time.perf_counter() - start)

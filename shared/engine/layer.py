@@ -4,6 +4,8 @@ The engine calls the model's own modules (norms, projections, MLP) so that, with
 present, the result equals transformers' forward. What differs is that the rows of a call are any
 set of tokens, each carrying its original position for RoPE and the causal mask.
 Shapes: h [m, hidden]; q [1, H, m, D]; k, v [1, Hkv, m, D]; positions [m] (int64).
+What differs between families (q/k norms, the norms around each sublayer, RoPE per layer type)
+is read from `model.family`; which layers slide their window, from `model.spec`.
 """
 
 from __future__ import annotations
@@ -28,11 +30,37 @@ def project_qkv(model: EngineModel, index: int, h: torch.Tensor, positions: torc
     spec = model.spec
     m = h.shape[0]
     x = layer.input_layernorm(h)
-    q = attn.q_proj(x).view(1, m, spec.num_heads, spec.head_dim).transpose(1, 2)
-    k = attn.k_proj(x).view(1, m, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    q = attn.q_proj(x).view(1, m, spec.num_heads, spec.head_dim)
+    k = attn.k_proj(x).view(1, m, spec.num_kv_heads, spec.head_dim)
     v = attn.v_proj(x).view(1, m, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-    cos, sin = model.cos[positions], model.sin[positions]  # [m, D], broadcast over heads
+    if model.family.qk_norm:  # over each head's D, the last axis either side of the transpose
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    cos_table, sin_table = model.rope[index]
+    cos, sin = cos_table[positions], sin_table[positions]  # [m, D], broadcast over heads
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+
+def window_mask(model: EngineModel, index: int, q_positions: torch.Tensor, k_positions: torch.Tensor):
+    """bool [m, n], True where a key lies inside layer `index`'s sliding window of a query (the
+    last W positions, the query's own included, as transformers' sliding_window_overlay); None at a
+    global layer, or where every key does, so that nothing is built or applied."""
+    window = model.spec.window_at(index)
+    if window is None or int(q_positions.max()) - int(k_positions.min()) < window:
+        return None
+    return k_positions[None, :] > q_positions[:, None] - window
+
+
+def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """bool [m, n]: a query sees the keys at or before its original position."""
+    return k_positions[None, :] <= q_positions[:, None]
+
+
+def both(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """The AND of two optional masks (None: no constraint)."""
+    if a is None:
+        return b
+    return a if b is None else a & b
 
 
 def attend(
@@ -43,7 +71,7 @@ def attend(
     mask: torch.Tensor | None = None,
     is_causal: bool = False,
 ) -> torch.Tensor:
-    """SDPA with grouped KV heads. mask: bool [m, n], True = attend. Returns [1, H, m, D]."""
+    """SDPA with grouped KV heads. mask: bool [m, n] or [n], True = attend. Returns [1, H, m, D]."""
     spec = model.spec
     groups = spec.num_heads // spec.num_kv_heads
     if q.shape[2] == 1 and groups > 1 and q.dtype == torch.float32:
@@ -67,7 +95,11 @@ def finish(model: EngineModel, index: int, h: torch.Tensor, attn_out: torch.Tens
     """Output projection, residual, post-attention norm, MLP, residual. h [m, hidden] -> [m, hidden]."""
     layer = model.layers[index]
     m = h.shape[0]
-    h = h + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(m, -1))
+    out = layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(m, -1))
+    if model.family.sandwich_norm:
+        h = h + layer.post_attention_layernorm(out)
+        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+    h = h + out
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
@@ -127,4 +159,7 @@ def window_probs(
 
 def logits_of(model: EngineModel, h: torch.Tensor) -> torch.Tensor:
     """Final norm and lm_head on rows that each predict a next token. [m, hidden] -> [m, vocab]."""
-    return model.lm_head(model.norm(h)).float()
+    logits = model.lm_head(model.norm(h))
+    if model.final_softcap is not None:  # as the LM's forward applies it, in the model's dtype
+        logits = torch.tanh(logits / model.final_softcap) * model.final_softcap
+    return logits.float()

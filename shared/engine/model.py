@@ -1,6 +1,6 @@
-"""The engine's view of a Llama-family causal LM: its modules, shapes and rotary tables.
+"""The engine's view of a causal LM: its modules, shapes, family and rotary tables.
 
-It wraps an already-built transformers model (Llama, Mistral, Qwen2 share one layer shape) and
+It wraps an already-built transformers model of a supported family (shared/engine/family.py) and
 knows nothing of files, tokenizers or pruning. The layer loop in `layer.py` calls the modules
 held here, so the arithmetic is the model's own.
 """
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shared.contract.model import ModelSpec
+from shared.engine.family import FAMILIES
 
 
 class EngineModel:
@@ -18,7 +19,9 @@ class EngineModel:
 
     def __init__(self, hf_model: nn.Module):
         self.hf = hf_model.eval()
-        self.spec = ModelSpec.from_config(hf_model.config)
+        config = hf_model.config
+        self.spec = ModelSpec.from_config(config)
+        self.family = FAMILIES[self.spec.model_type]
         inner = hf_model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = list(inner.layers)
@@ -26,12 +29,24 @@ class EngineModel:
         self.lm_head = hf_model.lm_head
         param = next(hf_model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        with torch.inference_mode():
-            positions = torch.arange(self.spec.max_positions, device=self.device)[None]
-            cos, sin = inner.rotary_emb(torch.empty(0, dtype=self.dtype, device=self.device), positions)
-        # cos, sin: [max_positions, head_dim]; row p is exactly what the model computes for position p.
-        self.cos, self.sin = cos[0], sin[0]
+        # rope[l] = (cos, sin), each [max_positions, head_dim]: row p is exactly what the model
+        # computes for position p at layer l (layers of one type share the tensors).
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self.spec.num_layers
+        tables = {kind: self._rope_table(inner.rotary_emb, kind) for kind in set(layer_types)}
+        self.rope = [tables[kind] for kind in layer_types]
         self.scaling = self.layers[0].self_attn.scaling
+        # Gemma 2's tanh cap on the logits (None for Gemma 3 and the others), as the LM head applies it.
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+
+    @torch.inference_mode()
+    def _rope_table(self, rotary_emb: nn.Module, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(self.spec.max_positions, device=self.device)[None]
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        if self.family.rope_per_layer_type:
+            cos, sin = rotary_emb(probe, positions, layer_type)
+        else:
+            cos, sin = rotary_emb(probe, positions)
+        return cos[0], sin[0]
 
     @property
     def dtype_name(self) -> str:

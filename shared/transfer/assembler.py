@@ -151,7 +151,7 @@ class TransferAssembler:
             raise FrameError(f"prompt_ids has {len(end.prompt_ids)} tokens; the header announced {n}")
         check_token_ids(end.prompt_ids, spec.vocab_size, "prompt_ids")
         check_token_ids(end.first_tokens, spec.vocab_size, "first_tokens")
-        config = pruning_from_pb(end.pruning, spec.num_layers)
+        config = pruning_from_pb(end.pruning, spec)
         params = sampling_from_pb(end.sampling, spec.vocab_size)
         if len(end.first_tokens) != params.n or len(end.sampler_states) != params.n:
             raise FrameError(
