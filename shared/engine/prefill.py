@@ -77,6 +77,7 @@ class PrefillRun:
             if not 0 < prefix.tokens <= n - max(config.for_prompt(n).window, 1):
                 raise ValueError(f"a prefix of {prefix.tokens} tokens leaves no query window in {n}")
         self.prefix, self.held = prefix, held
+        model.spec.check(config)  # stages only where the last query sees the whole prompt
         self.config = config.for_prompt(n)
         self.cache = LazyCache.empty(model.spec, n, reserve, model.dtype, model.device)
         self.cache.cached_tokens = 0 if prefix is None else prefix.tokens
@@ -136,9 +137,9 @@ class PrefillRun:
         else:
             # Causal by original position over the keys held here (a hit's cached ones first),
             # within the layer's sliding window if it has one.
-            window = window_mask(model, index, positions, key_positions)
-            if hit or window is not None:
-                mask = both(causal_mask(positions, key_positions), window)
+            sliding = window_mask(model, index, positions, key_positions)
+            if hit or sliding is not None:
+                mask = both(causal_mask(positions, key_positions), sliding)
                 h = finish(model, index, h, attend(model, q, keys, values, mask=mask))
             else:
                 h = finish(model, index, h, attend(model, q, k, v, is_causal=True))

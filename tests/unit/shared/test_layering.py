@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from shared.contract import ModelSpec
-from shared.models.catalog import default_model_folder
+from shared.models.catalog import TINY_MODELS, default_model_folder
 from shared.models.text import load_text_model, load_tokenizer
 from shared.models.weights import build_tiny
 
@@ -106,7 +106,7 @@ def test_torch_free_text_side_reads_the_model_as_the_auto_classes_do(tmp_path):
     )
     text = load_text_model("SmolLM2-135M-Instruct")
     assert text.stop_token_ids == (2,) and text.spec.num_layers == 30
-    for kind in ("tiny-llama", "tiny-mistral", "tiny-qwen2"):
+    for kind in TINY_MODELS:
         build_tiny(kind).config.save_pretrained(tmp_path / kind)
         spec = ModelSpec.from_config_file(tmp_path / kind / "config.json")
         assert spec == ModelSpec.from_config(AutoConfig.from_pretrained(tmp_path / kind))

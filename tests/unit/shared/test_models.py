@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from shared.contract import ModelSpec
 from shared.engine import UnsupportedModelError
-from shared.models.catalog import ModelNotFoundError, default_model_folder
+from shared.models.catalog import ModelNotFoundError, default_model_folder, tiny_config
 from shared.models.weights import build_tiny, load_model
 
 
@@ -28,8 +29,25 @@ def test_unknown_model_says_what_to_do():
 
 def test_unsupported_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
-    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2"):
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported.*qwen3, gemma3_text"):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "kind, change, reason",
+    [
+        ("tiny-gemma3", {"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),
+        ("tiny-gemma3", {"use_bidirectional_attention": True}, "bidirectional attention"),
+        ("tiny-llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic'"),
+        ("tiny-mistral", {"sliding_window": 64}, "sliding-window attention on every layer"),
+    ],
+)
+def test_a_feature_the_engine_does_not_compute_is_refused_by_name(kind, change, reason):
+    config = tiny_config(kind)
+    for name, value in change.items():
+        setattr(config, name, value)
+    with pytest.raises(UnsupportedModelError, match=reason):
+        ModelSpec.from_config(config)
 
 
 def test_local_checkpoint_folder_loads(tmp_path):

@@ -23,10 +23,11 @@ def _encode(loaded, config=CONFIG, budget=1 << 20, params=FOUR_TOKENS):
     return encode_transfer(loaded, random_ids(loaded, N), config, params, budget=budget)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])  # gemma: sliding-window layers, window < N
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("budget", [1 << 20, 2048], ids=["one-frame-per-layer", "chunked"])
-def test_assembled_cache_equals_the_senders(load, budget, dtype):
-    loaded = load("tiny-llama", dtype)
+def test_assembled_cache_equals_the_senders(load, budget, dtype, name):
+    loaded = load(name, dtype)
     cache, messages = _encode(loaded, budget=budget)
     if budget == 2048:
         assert len(messages) > 2 + 2 * loaded.engine.spec.num_layers  # layers really span several frames
