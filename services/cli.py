@@ -26,7 +26,10 @@ def _load_llm(settings):
     from shared.engine import PrefixReuse
 
     prefix = PrefixReuse.configured(loaded.engine, loaded.name, settings)
-    return LLM(loaded, default_preset=settings.pruning_preset, prefix=prefix)
+    from shared.models.text import read_chat_template
+
+    template = read_chat_template(settings.chat_template)
+    return LLM(loaded, default_preset=settings.pruning_preset, prefix=prefix, chat_template=template)
 
 
 def cmd_run_batch(args) -> int:
@@ -45,7 +48,7 @@ def cmd_run_batch(args) -> int:
 
 
 def _engine_overrides(args) -> dict:
-    names = ("model", "threads", "dtype", "device", "enable_prefix_caching", "prefix_cache_bytes")
+    names = ("model", "threads", "dtype", "device", "enable_prefix_caching", "prefix_cache_bytes", "chat_template")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -101,6 +104,7 @@ def cmd_up(args) -> int:
             local_threshold=args.local_threshold,
             pruning_preset=args.pruning,
             prefill_niceness=args.prefill_niceness,
+            chat_template=args.chat_template,
             api_keys=args.api_key or [],
         )
     )
@@ -153,6 +157,16 @@ def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_chat_template_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template for /v1/chat/completions, for a base model that has none or to replace "
+        "the model's own (vLLM's flag; LAZYSERVE_CHAT_TEMPLATE)",
+    )
+
+
 def add_prefix_cache_flags(parser: argparse.ArgumentParser, budget: bool = True) -> None:
     """vLLM's flag pair: on unless turned off (LAZYSERVE_ENABLE_PREFIX_CACHING)."""
     parser.add_argument(
@@ -187,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--threads", type=int, default=None)
     add_dtype_flag(batch)
     add_prefix_cache_flags(batch)
+    add_chat_template_flag(batch)
     batch.add_argument("--compare", action="store_true", help="also run unpruned and print both side by side")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -211,7 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     stack = sub.add_parser(
         "up", help="the whole system on this host: decode workers, prefill actors on a local Ray, the gateway"
     )
-    stack.add_argument("--model", default=None, help="SmolLM2-135M-Instruct (default), a tiny-* model or a folder")
+    stack.add_argument(
+        "--model", default=None, help="SmolLM2-135M-Instruct (default), gemma-3-270m, a tiny-* model or a folder"
+    )
     stack.add_argument(
         "--threads",
         type=int,
@@ -220,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_dtype_flag(stack)
     add_prefix_cache_flags(stack)
+    add_chat_template_flag(stack)
     stack.add_argument("--host", default="127.0.0.1", help="the gateway's address (0.0.0.0: every interface)")
     stack.add_argument("--port", type=int, default=8000, help="the gateway's port")
     stack.add_argument("--api-key", action="append", default=None, help="an API key the gateway accepts (repeatable)")
@@ -253,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway.add_argument("--redis-url", default=None, help="registered workers and shared load in Redis")
     add_prefix_cache_flags(gateway, budget=False)
+    add_chat_template_flag(gateway)
 
     certs = sub.add_parser("certs", help="write a development CA and certificate for mutual TLS between services")
     certs.add_argument("--out", default="certs", help="folder for ca.pem, cert.pem, key.pem")

@@ -183,6 +183,7 @@ class UpOptions:
     local_threshold: int | None = None
     pruning_preset: str | None = None
     prefill_niceness: int | None = None  # None: LAZYSERVE_PREFILL_NICENESS, else 0
+    chat_template: str | None = None  # a file; the gateway templates chat requests
     api_keys: list[str] = field(default_factory=list)
     timeout: float = 600.0
 
@@ -218,6 +219,8 @@ def up(options: UpOptions) -> int:
         gateway_args += ["--prefill-workers", ",".join(prefill_addresses)]
         if o.local_threshold is not None:
             gateway_args += ["--local-threshold", str(o.local_threshold)]
+        if o.chat_template is not None:
+            gateway_args += ["--chat-template", os.path.abspath(o.chat_template)]
         with console.status("starting the gateway"):
             gateway = stack.start("gateway", gateway_args)
             stack._drain(gateway, announce=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import LogitsProcessor
 
-from shared.engine import PruneConfig, SamplingParams, Stats, prefill
+from shared.engine import OFF, PruneConfig, SamplingParams, Stats, generate, prefill
 from shared.transfer import end_message, frame_messages, header_message
 
 
@@ -72,3 +74,28 @@ class OpenAIPenalties(LogitsProcessor):
             ids, counts = generated.unique(return_counts=True)
             scores[0, ids] -= counts.to(scores.dtype) * self.frequency + self.presence
         return scores
+
+
+def _bf16_step(reference: torch.Tensor) -> float:
+    """The spacing of bfloat16 numbers at the largest magnitude in `reference`."""
+    largest = float(reference.abs().max())
+    return 2.0 ** (math.floor(math.log2(largest)) - 7)
+
+
+def compare_with_transformers(loaded, ids: torch.Tensor, steps: int = 16) -> None:
+    """Pruning off, the prompt `ids`: first-token logits as transformers' (float32: within 1e-4;
+    bfloat16: two steps of the largest logit's spacing, see test_bfloat16), and the same greedy
+    tokens as its generate() for `steps` tokens."""
+    model = loaded.engine
+    device_ids = ids[None].to(model.device)
+    with torch.inference_mode():
+        reference = model.hf(device_ids, logits_to_keep=1).logits[0, -1].float()
+        _, logits = prefill(model, ids, OFF)
+        expected = model.hf.generate(device_ids, max_new_tokens=steps, do_sample=False)[0, ids.shape[0] :].tolist()
+    difference = float((logits - reference).abs().max())
+    bound = 2 * _bf16_step(reference) if model.dtype == torch.bfloat16 else 1e-4
+    assert difference <= bound, f"logits differ by {difference}"
+    eos = loaded.stop_token_ids
+    expected = [t for t in expected if t not in eos][: len(expected)]
+    ours = generate(model, ids, OFF, SamplingParams(max_new_tokens=steps, stop_token_ids=eos))
+    assert ours.tokens == expected[: len(ours.tokens)] and len(ours.tokens) == len(expected)

@@ -54,7 +54,8 @@ def resolve_configs(names: list[str], extra: list[str], llm) -> dict:
 
 
 def case_ids(llm, case) -> list[int]:
-    if case.url == "/v1/completions":
+    # A base model (no chat template) reads a chat case's message as a plain prompt.
+    if case.url == "/v1/completions" or not llm.has_chat_template:
         return llm.prompt_ids(case.content)
     return llm.chat_ids([{"role": "user", "content": case.content}])
 

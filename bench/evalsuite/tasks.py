@@ -197,7 +197,7 @@ _BUILDERS = {
 
 
 def _count(tokenizer, case_url: str, content: str) -> int:
-    if case_url == "/v1/completions":
+    if case_url == "/v1/completions" or tokenizer.chat_template is None:  # a base model: a plain prompt
         return len(tokenizer(content).input_ids)
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False

@@ -63,6 +63,7 @@ from shared.api.serving import (
     MAX_DEPTH_TOKENS,
     RequestError,
     build_response,
+    chat_ids,
     parse_request,
     prepare_all,
     validation_message,
@@ -287,7 +288,7 @@ class Gateway:
                 400, f"{chars} characters cannot fit the context", "prompt" if body.prompt is not None else "messages"
             )
         if body.messages is not None:
-            return text.chat_ids([m.model_dump() for m in body.messages])
+            return chat_ids(text, [m.model_dump() for m in body.messages])
         return text.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
 
     async def detokenize(self, request: Request):

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 def serve(settings: GatewaySettings) -> int:
     setup_logging()
     setup_tracing("lazyserve-gateway")
-    text = load_text_model(settings.engine.model, settings.engine.cache_dir)
+    text = load_text_model(settings.engine.model, settings.engine.cache_dir, settings.engine.chat_template)
     text.default_preset = settings.engine.pruning_preset
     app = create_app(settings, text)
     # log_config=None: uvicorn keeps our JSON log lines instead of installing its own format.

@@ -44,10 +44,17 @@ class Completion:
 
 
 class LLM(TextModel):
-    def __init__(self, loaded: LoadedModel, default_preset: str = "default", prefix: PrefixReuse | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        default_preset: str = "default",
+        prefix: PrefixReuse | None = None,
+        chat_template: str | None = None,
+    ):
         if loaded.tokenizer is None:
             raise ValueError(f"model {loaded.name} has no tokenizer; text requests need one")
-        super().__init__(loaded.name, loaded.tokenizer, loaded.engine.spec, loaded.stop_token_ids, default_preset)
+        spec, stops = loaded.engine.spec, loaded.stop_token_ids
+        super().__init__(loaded.name, loaded.tokenizer, spec, stops, default_preset, chat_template)
         self.loaded = loaded
         self.engine = loaded.engine
         self.formatter = LogprobFormatter(loaded.tokenizer)

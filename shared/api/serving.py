@@ -26,7 +26,7 @@ from shared.api.schemas import (
     Usage,
 )
 from shared.contract import PruneConfig, Sampled, SamplingParams, Stats
-from shared.models.text import TextModel
+from shared.models.text import NoChatTemplateError, TextModel
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -87,6 +87,14 @@ def validation_param(error: ValidationError) -> str | None:
     return (errors[0][0] or None) if errors else None
 
 
+def chat_ids(llm: TextModel, messages: list[dict]) -> list[int]:
+    """The messages templated and tokenized; a 400 for a model without a chat template."""
+    try:
+        return llm.chat_ids(messages)
+    except NoChatTemplateError as error:
+        raise RequestError(400, str(error), param="messages") from None
+
+
 def parse_request(url: str, body: dict) -> ChatCompletionRequest | CompletionRequest:
     kinds = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest}
     if url not in kinds:
@@ -139,7 +147,7 @@ def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) 
             param="messages" if chat else "prompt",
         )
     if isinstance(request, ChatCompletionRequest):
-        ids = llm.chat_ids([m.model_dump() for m in request.messages])
+        ids = chat_ids(llm, [m.model_dump() for m in request.messages])
     else:
         if isinstance(request.prompt, list):
             _in_vocabulary(llm, request.prompt, "prompt")

@@ -79,9 +79,15 @@ class _Rows:
         if self.key_live is not None and bool(self.key_live.all()):
             self.key_live = None  # every key held here is live (no revival yet): no mask to build or apply
         if last or self.rows.shape[0] == 1:
-            window = window_mask(self.model, index, self.rows[-1:], kv.positions)
-            live = None if self.key_live is None else self.key_live[None]
-            return attend(self.model, q[:, :, -1:], kv.k, kv.v, mask=both(live, window))
+            k, v, live = kv.k, kv.v, self.key_live
+            inside = window_mask(self.model, index, self.rows[-1:], kv.positions)
+            if inside is not None:
+                # A sliding layer: only its window's keys, gathered, not masked: the sums run over
+                # the keys a sliding-window cache holds, as in transformers (in bfloat16 a masked
+                # call rounds differently), and the call reads W keys instead of all of them.
+                inside = inside[0]
+                k, v, live = k[:, :, inside], v[:, :, inside], None if live is None else live[inside]
+            return attend(self.model, q[:, :, -1:], k, v, mask=live, masked_call=inside is not None)
         # Revived rows attend causally, by original position, over the live keys in the window.
         mask = both(causal_mask(self.rows, kv.positions), window_mask(self.model, index, self.rows, kv.positions))
         return attend(self.model, q, kv.k, kv.v, mask=mask if self.key_live is None else mask & self.key_live[None])

@@ -70,16 +70,22 @@ def attend(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     is_causal: bool = False,
+    masked_call: bool = False,
 ) -> torch.Tensor:
-    """SDPA with grouped KV heads. mask: bool [m, n] or [n], True = attend. Returns [1, H, m, D]."""
+    """SDPA with grouped KV heads. mask: bool [m, n] or [n], True = attend. Returns [1, H, m, D].
+
+    masked_call: one query row computed as transformers computes it when it passes a mask (a
+    sliding-window layer's decode step): folded heads and a mask even where every key is live."""
     spec = model.spec
     groups = spec.num_heads // spec.num_kv_heads
-    if q.shape[2] == 1 and groups > 1 and q.dtype == torch.float32:
+    if masked_call and mask is None:
+        mask = torch.ones(k.shape[2], dtype=torch.bool, device=k.device)
+    if q.shape[2] == 1 and groups > 1 and (q.dtype == torch.float32 or masked_call):
         # One query row: fold the query heads of a group into the row axis, so SDPA reads each
-        # KV head once instead of repeating it (transformers' pack_gqa does the same). Float32
-        # only: in bfloat16 the folded call rounds differently from transformers' (logits a step
-        # or two apart, enough to flip a near-tie in greedy decoding), the call below matches it
-        # bit for bit.
+        # KV head once instead of repeating it (transformers' pack_gqa does the same where it
+        # passes a mask). Otherwise float32 only: in bfloat16 the folded call rounds differently
+        # from transformers' unmasked one (enable_gqa; logits a step or two apart, enough to
+        # flip a near-tie in greedy decoding), which the call below matches bit for bit.
         qg = q.reshape(1, spec.num_kv_heads, groups, spec.head_dim)
         m = None if mask is None else mask.view(1, 1, 1, -1)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=model.scaling)

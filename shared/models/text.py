@@ -15,6 +15,10 @@ from shared.contract import ModelSpec, PruneConfig
 from shared.models.catalog import DEFAULT_MODEL, INSTALL_HINT, ModelNotFoundError, resolve, stop_ids_of, tiny_config
 
 
+class NoChatTemplateError(ValueError):
+    """A chat request to a model without a chat template."""
+
+
 @dataclass
 class TextModel:
     name: str
@@ -23,6 +27,9 @@ class TextModel:
     stop_token_ids: tuple[int, ...]
     # The preset a request without its own `pruning` gets: the process's pruning_preset setting.
     default_preset: str = "default"
+    # A Jinja chat template that replaces the tokenizer's (vLLM's --chat-template); a base model
+    # has none of its own, and chat requests to it are refused without one.
+    chat_template: str | None = None
 
     @property
     def max_positions(self) -> int:
@@ -49,8 +56,19 @@ class TextModel:
         would take seconds and memory for megabytes of text)."""
         return self.max_positions * self.max_token_chars
 
+    @property
+    def has_chat_template(self) -> bool:
+        return (self.chat_template or getattr(self.tokenizer, "chat_template", None)) is not None
+
     def chat_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if not self.has_chat_template:
+            raise NoChatTemplateError(
+                f"model {self.name} has no chat template (a base model): send a prompt to /v1/completions, "
+                "or start the server with --chat-template FILE"
+            )
+        text = self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
+        )
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -69,11 +87,22 @@ class TextModel:
         return self.spec.check(config)
 
 
-def load_text_model(name: str, cache_dir: Path | None = None) -> TextModel:
+def read_chat_template(path: Path | None) -> str | None:
+    """The template in the file `path` (None: none given); a clear error if it cannot be read."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"--chat-template {path}: {error.strerror or error}") from None
+
+
+def load_text_model(name: str, cache_dir: Path | None = None, chat_template: Path | None = None) -> TextModel:
     """Tokenizer and config of `name` (resolved as for the weights), without the weights, and
     without torch: the config and generation config are read as JSON, and a checkpoint with a
     tokenizer.json gets transformers' tokenizers-backed class, which AutoTokenizer would also
     pick for it (tested) but only after importing torch."""
+    template = read_chat_template(chat_template)
     source = resolve(name, cache_dir)
     if source.folder is None:
         raise ModelNotFoundError(
@@ -82,11 +111,12 @@ def load_text_model(name: str, cache_dir: Path | None = None) -> TextModel:
     tokenizer = load_tokenizer(source.folder)
     if source.tiny is not None:
         config = tiny_config(source.tiny)
-        return TextModel(source.label, tokenizer, ModelSpec.from_config(config), (config.eos_token_id,))
+        spec = ModelSpec.from_config(config)
+        return TextModel(source.label, tokenizer, spec, (config.eos_token_id,), chat_template=template)
     generation = source.folder / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
     spec = ModelSpec.from_config_file(source.folder / "config.json")
-    return TextModel(source.label, tokenizer, spec, stop_ids_of(eos, tokenizer))
+    return TextModel(source.label, tokenizer, spec, stop_ids_of(eos, tokenizer), chat_template=template)
 
 
 def load_tokenizer(folder: Path):

@@ -33,6 +33,9 @@ class EngineSettings(BaseSettings):
     pruning_preset: Literal[PRESET_NAMES] = Field(
         "default", description="the pruning preset of every request that does not name its own"
     )
+    chat_template: Path | None = Field(
+        None, description="a Jinja chat template file for a model without one, or to replace its own (vLLM's flag)"
+    )
     enable_prefix_caching: bool = Field(
         True, description="reuse the layers before the first cut of a prompt's cached start (vLLM's flag)"
     )

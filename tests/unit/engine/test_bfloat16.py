@@ -11,39 +11,15 @@ largest one; two steps of the largest logit's spacing is the bound, and greedy t
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from shared.engine import OFF, PruneConfig, SamplingParams, generate, prefill
 from shared.models.catalog import TINY_MODELS
 from shared.transfer import payload_bytes
-from tests.helpers import encode_transfer, random_ids
+from tests.helpers import compare_with_transformers, encode_transfer, random_ids
 
 STEPS = 16
-
-
-def _bf16_step(reference: torch.Tensor) -> float:
-    """The spacing of bfloat16 numbers at the largest magnitude in `reference`."""
-    largest = float(reference.abs().max())
-    return 2.0 ** (math.floor(math.log2(largest)) - 7)
-
-
-def _compare_with_transformers(loaded, ids: torch.Tensor) -> None:
-    model = loaded.engine
-    assert model.dtype == torch.bfloat16
-    device_ids = ids[None].to(model.device)
-    with torch.inference_mode():
-        reference = model.hf(device_ids, logits_to_keep=1).logits[0, -1].float()
-        _, logits = prefill(model, ids, OFF)
-        expected = model.hf.generate(device_ids, max_new_tokens=STEPS, do_sample=False)[0, ids.shape[0] :].tolist()
-    difference = float((logits - reference).abs().max())
-    assert difference <= 2 * _bf16_step(reference), f"logits differ by {difference}"
-    eos = loaded.stop_token_ids
-    expected = [t for t in expected if t not in eos][: len(expected)]
-    ours = generate(model, ids, OFF, SamplingParams(max_new_tokens=STEPS, stop_token_ids=eos))
-    assert ours.tokens == expected[: len(ours.tokens)] and len(ours.tokens) == len(expected)
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
@@ -51,7 +27,7 @@ def _compare_with_transformers(loaded, ids: torch.Tensor) -> None:
 def test_tiny_models_in_bfloat16_equal_transformers(load, name, length):
     loaded = load(name, "bfloat16")
     ids = torch.randint(3, loaded.engine.spec.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
-    _compare_with_transformers(loaded, ids)
+    compare_with_transformers(loaded, ids)
 
 
 def _smollm2_prompt(loaded, chars: int, topic: str) -> torch.Tensor:
@@ -73,7 +49,7 @@ LONG = [(3500, "typesmapping"), (5000, "assignment"), (7000, "debugger"), (8200,
 @pytest.mark.parametrize("chars, topic", SHORT, ids=[f"{t}-{c}" for c, t in SHORT])
 def test_smollm2_in_bfloat16_equals_transformers(load, chars, topic):
     loaded = load("SmolLM2-135M-Instruct", "bfloat16")
-    _compare_with_transformers(loaded, _smollm2_prompt(loaded, chars, topic))
+    compare_with_transformers(loaded, _smollm2_prompt(loaded, chars, topic))
 
 
 @pytest.mark.slow
@@ -82,7 +58,7 @@ def test_smollm2_in_bfloat16_equals_transformers_on_long_prompts(load, chars, to
     loaded = load("SmolLM2-135M-Instruct", "bfloat16")
     ids = _smollm2_prompt(loaded, chars, topic)
     assert 500 < ids.shape[0] <= 2100
-    _compare_with_transformers(loaded, ids)
+    compare_with_transformers(loaded, ids)
 
 
 def test_bfloat16_holds_and_sends_half_the_bytes(load):
