@@ -241,6 +241,10 @@ class Gateway:
                 "name": self.text.name,
                 "num_layers": self.text.spec.num_layers,
                 "max_model_len": self.text.max_positions,
+                # False for a base model: the page sends its text to /v1/completions instead.
+                "chat_template": self.text.has_chat_template,
+                # Where a pruning stage may sit (None: any layer; else the global layers).
+                "stage_layers": self.text.spec.stage_layers,
             },
             "in_flight": self.admission.in_flight,
             "pruning_preset": self.text.default_preset,

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from conftest import RunningGateway
 from playwright.sync_api import expect
@@ -458,3 +459,63 @@ def test_stop_keeps_the_answer_so_far(page, stack):
             break
         page.wait_for_timeout(100)
     assert httpx.get(f"{stack.main.url}/status", timeout=5).json()["in_flight"] == 0
+
+
+# ------------------------------------------------------------- a base model: Gemma 3, no chat template
+GEMMA = "gemma-3-270m"
+
+
+@pytest.fixture(scope="module")
+def gemma_stack(load):
+    """Gemma 3 270M behind a gateway, a decode worker and a prefill worker: prompts of 1024 tokens
+    and more go through the prefill worker and the transfer."""
+    from services.decode.server import start_decode_worker
+    from services.decode.settings import DecodeSettings
+    from services.prefill.settings import PrefillSettings
+    from services.prefill.worker import start_prefill_worker
+    from services.router.gateway import create_app
+    from services.router.settings import GatewaySettings
+    from shared.models.text import load_text_model
+    from shared.net.settings import EngineSettings
+
+    loaded = load(GEMMA)
+    engine = EngineSettings(model=GEMMA, threads=2)
+    decode = start_decode_worker(DecodeSettings(port=0, engine=engine), loaded)
+    prefill = start_prefill_worker(PrefillSettings(port=0, engine=engine), loaded)
+    settings = GatewaySettings(prefill_workers=[prefill.address], decode_workers=[decode.address], engine=engine)
+    gateway = RunningGateway(create_app(settings, load_text_model(GEMMA)))
+    yield gateway
+    gateway.stop()
+    prefill.stop(grace=0)
+    decode.stop(grace=0)
+
+
+def test_a_base_model_continues_the_text_and_caches_its_prefix(browser, gemma_stack):
+    page = open_page(browser, gemma_stack.url)
+    page.wait_for_selector("body[data-ready=true]")
+    expect(page.locator("#model-name")).to_contain_text("no chat template")
+    # A long text (past the local threshold: prefilled by the prefill worker, pruned by `default`,
+    # whose stage moved to a global layer) the model continues, as /v1/completions continues it.
+    text = document(6000)
+    compose(page, text, 12)
+    page.get_by_role("button", name="Send").click()
+    answer = page.locator(".message.assistant").last
+    answer.locator("dl.figures").wait_for(timeout=TIMEOUT_MS)
+    client = gemma_stack.openai()
+    expected = client.completions.create(model=GEMMA, prompt=text, max_tokens=12, temperature=0)
+    assert answer.locator(".text").inner_text() == expected.choices[0].text
+    shown = figures(answer.locator("dl.figures"))
+    assert int(shown["prompt tokens"]) == expected.usage.prompt_tokens > 1024
+    assert shown["pruning"] == "default" and float(shown["computed"].rstrip("%")) < 100
+    # The next turn continues the same document: its start comes from the prefix cache.
+    page.get_by_label("Message").fill("\n\nIn short,")
+    page.get_by_role("button", name="Send").click()
+    page.locator(".message.assistant dl.figures").nth(1).wait_for(timeout=TIMEOUT_MS)
+    second = figures(page.locator(".message.assistant dl.figures").nth(1))
+    assert int(second["cached tokens"]) > 1024
+    # A chat request is refused with the reason, not answered through a template it lacks.
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model=GEMMA, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert page.errors == []
+    shot(page, "base-model")
+    page.context.close()

@@ -74,13 +74,14 @@ async function* events(response) {
   }
 }
 
-// A streamed chat completion. onText(delta) is called as the answer arrives. Resolves to what a
-// person wants to see about it: the text, its tokens (when logprobs were asked), the TTFT and
-// tokens/s as this page saw them, usage and lazyserve's metrics.
+// A streamed chat completion (a body with `messages`) or text completion (with `prompt`).
+// onText(delta) is called as the answer arrives. Resolves to what a person wants to see about it:
+// the text, its tokens (when logprobs were asked), the TTFT and tokens/s as this page saw them,
+// usage and lazyserve's metrics.
 export async function streamChat(body, onText, signal) {
   const request = { ...body, stream: true, stream_options: { include_usage: true } };
   const started = performance.now();
-  const response = await fetch("/v1/chat/completions", {
+  const response = await fetch("prompt" in body ? "/v1/completions" : "/v1/chat/completions", {
     method: "POST",
     headers: headers(),
     body: JSON.stringify(request),
@@ -94,13 +95,14 @@ export async function streamChat(body, onText, signal) {
     if (chunk.usage) result.usage = chunk.usage;
     if (chunk.metrics) result.metrics = chunk.metrics;
     for (const choice of chunk.choices || []) {
-      const delta = choice.delta?.content;
+      const delta = choice.delta?.content ?? choice.text;
       if (delta) {
         if (firstAt === null) firstAt = performance.now();
         result.text += delta;
         onText(delta);
       }
       for (const item of choice.logprobs?.content || []) result.tokens.push(item.token);
+      for (const token of choice.logprobs?.tokens || []) result.tokens.push(token); // /v1/completions' shape
       if (choice.finish_reason) result.finishReason = choice.finish_reason;
     }
   }

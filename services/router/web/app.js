@@ -5,7 +5,7 @@
 import { ApiError, apiKey, getJson } from "./api.js";
 import { compare } from "./compare.js";
 import { $ } from "./dom.js";
-import { Playground } from "./playground.js";
+import { Playground, useChatTemplate } from "./playground.js";
 import { ServiceView } from "./service.js";
 
 let running = null; // the AbortController of the request in progress
@@ -133,9 +133,14 @@ async function start() {
   const presets = status.pruning_presets.map((name) => [name, name === status.pruning_preset ? `${name} (server default)` : name]);
   options($("preset"), [...presets, ["schedule", "schedule (JSON)"]], status.pruning_preset);
   // A schedule that fits this model: one cut at 60% depth keeping a fifth, as `default` does.
-  const cut = Math.min(Math.round(0.6 * status.model.num_layers), status.model.num_layers - 2);
+  let cut = Math.min(Math.round(0.6 * status.model.num_layers), status.model.num_layers - 2);
+  // A model with sliding-window layers prunes only at its global layers: the first at or after it.
+  const allowed = (status.model.stage_layers || []).filter((layer) => layer < status.model.num_layers - 1);
+  if (allowed.length) cut = allowed.find((layer) => layer >= cut) ?? allowed[allowed.length - 1];
   $("schedule").value = JSON.stringify({ stages: [[cut, 0.2]], granularity: "block", block_size: 32 });
 
+  useChatTemplate(status.model.chat_template);
+  if (!status.model.chat_template) $("model-name").textContent += " · no chat template: the conversation is text it continues";
   const playground = new Playground(status);
   const service = new ServiceView(showError);
   wireTabs(service);

@@ -9,11 +9,23 @@ import { drawMap } from "./map.js";
 const LONG_MESSAGE = 1200; // characters past which a message is folded into a <details>
 const MAX_FILE_BYTES = 4 * 1024 * 1024; // the gateway's body limit
 
+// A model without a chat template (a base model) continues text: the conversation is one
+// document, each message appended to it, sent to /v1/completions as its prompt.
+let chatTemplate = true;
+export function useChatTemplate(has) {
+  chatTemplate = has;
+}
+
+// The conversation as the request carries it: chat messages, or the document a base model continues.
+export function promptOf(messages) {
+  return chatTemplate ? { messages } : { prompt: messages.map((message) => message.content).join("") };
+}
+
 // The request the settings describe, for these messages (without stream options).
 export function requestFor(messages, pruning) {
   const body = {
     model: $("model").value,
-    messages,
+    ...promptOf(messages),
     max_tokens: Number($("max-tokens").value) || 1,
     temperature: Number($("temperature").value),
   };
@@ -104,7 +116,7 @@ export class Playground {
     const pruning = chosenPruning();
     const messages = [...this.messages, { role: "user", content: text }];
     // The prompt's tokens first (the map's text, and whether depths can be asked for it).
-    const tokens = await postJson("/tokenize", { model: $("model").value, messages, return_token_strs: true });
+    const tokens = await postJson("/tokenize", { model: $("model").value, ...promptOf(messages), return_token_strs: true });
     const body = requestFor(messages, pruning);
     body.return_token_depths = tokens.count <= this.status.max_depth_tokens;
 
