@@ -49,7 +49,19 @@ def _cache_with(model, ids, config, budget=1 << 30) -> tuple[PrefixCache, bytes]
 
 @pytest.mark.parametrize("config", [OFF, LAZY, MULTI, SHORT_UNPRUNED], ids=["off", "lazy", "multi-stage", "short"])
 def test_a_prefill_from_a_hit_equals_one_from_scratch(tiny_llama, config):
-    model = tiny_llama.engine
+    _check_a_hit_equals_scratch(tiny_llama.engine, config)
+
+
+@pytest.mark.parametrize(
+    "config", [OFF, PruneConfig(stages=((3, 0.5),), window=4), MULTI], ids=["off", "lazy", "multi-stage"]
+)
+def test_a_hit_equals_scratch_on_a_sliding_window_model(load, config):
+    # tiny-gemma3: 160 cached tokens are ten windows; the new tokens' sliding layers see only the
+    # cached keys within 16 positions, and stages sit at its global layers 1 and 3.
+    _check_a_hit_equals_scratch(load("tiny-gemma3").engine, config)
+
+
+def _check_a_hit_equals_scratch(model, config):
     document = _ids(160, 1)
     cache, root = _cache_with(model, document, config)
     prompt = torch.cat([document, _ids(60, 2)])  # the document, then a question
