@@ -31,7 +31,9 @@ class EngineModel:
         self.device, self.dtype = param.device, param.dtype
         # rope[l] = (cos, sin), each [max_positions, head_dim]: row p is exactly what the model
         # computes for position p at layer l (layers of one type share the tensors).
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self.spec.num_layers
+        layer_types = ["full_attention"] * self.spec.num_layers  # one table, unless the family has one per type
+        if self.family.rope_per_layer_type:
+            layer_types = config.layer_types
         tables = {kind: self._rope_table(inner.rotary_emb, kind) for kind in set(layer_types)}
         self.rope = [tables[kind] for kind in layer_types]
         self.scaling = self.layers[0].self_attn.scaling
