@@ -131,3 +131,17 @@ def test_a_stage_at_a_sliding_layer_is_refused_with_the_layers_allowed():
     with pytest.raises(ValueError, match=r"stage layer 7 is a sliding-window layer.*\[5, 11\]"):
         spec.check(PruneConfig(stages=((7, 0.3),)))
     assert spec.check(PruneConfig(stages=((5, 0.3),))).stages == ((5, 0.3),)
+
+
+def test_a_request_naming_a_sliding_stage_is_a_400_that_lists_the_global_layers():
+    from shared.api.serving import RequestError, parse_request, prepare
+    from shared.models.text import load_text_model
+
+    text = load_text_model("tiny-gemma3")
+    body = {"model": "tiny-gemma3", "prompt": "hello", "pruning": {"stages": [[2, 0.5]]}}
+    with pytest.raises(RequestError) as refused:
+        prepare(text, parse_request("/v1/completions", body))
+    assert refused.value.status_code == 400 and refused.value.param == "pruning"
+    assert "stage layer 2 is a sliding-window layer" in refused.value.message and "[1, 3]" in refused.value.message
+    # default's 60% of 6 layers is layer 4: no global layer after it but the last, so the one before.
+    assert text.resolve_pruning("default").stages == ((3, 0.2),)
