@@ -89,6 +89,7 @@ class PrefillRun:
         self.prefix_keys: list[bytes] = []  # set by a PrefixReuse: the prompt's block keys
         self.h: torch.Tensor | None = None  # [live, hidden]; embedded at the first step
         self.layer = 0
+        self._masks: dict[tuple, tuple] = {}  # (window, hit) -> (query positions, key positions, mask)
         self.logits: torch.Tensor | None = None  # [vocab], once the last layer has run
         # With keep_boundary, the cache keeps every token's hidden state leaving layer held - 1
         # (what a prefix cache entry holds besides K/V); decode adds the generated tokens'.
@@ -134,12 +135,10 @@ class PrefillRun:
             mask = window_mask(model, index, positions[-1:], key_positions)
             h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], keys, values, mask=mask))
             self.logits = logits_of(model, h)[0]
+            self._masks.clear()  # a finished run may be held for decode: not its masks
         else:
-            # Causal by original position over the keys held here (a hit's cached ones first),
-            # within the layer's sliding window if it has one.
-            sliding = window_mask(model, index, positions, key_positions)
-            if hit or sliding is not None:
-                mask = both(causal_mask(positions, key_positions), sliding)
+            mask = self._mask(index, positions, key_positions, hit)
+            if mask is not None:
                 h = finish(model, index, h, attend(model, q, keys, values, mask=mask))
             else:
                 h = finish(model, index, h, attend(model, q, k, v, is_causal=True))
@@ -170,6 +169,20 @@ class PrefillRun:
                 frame = dataclasses.replace(frame, boundary_positions=positions, boundary_hidden=h)
             self.on_layer(frame)
         return k.shape[2]
+
+    def _mask(self, index: int, positions, key_positions, hit: bool) -> torch.Tensor | None:
+        """Causal by original position over the keys held here (a hit's cached ones first), within
+        the layer's sliding window if it has one; None where is_causal says it all. A mask is
+        reused by every later layer of the same window over the same rows, as transformers builds
+        one per layer type: at 8k tokens each is a 64 MB boolean matrix, built in three passes."""
+        window = self.model.spec.window_at(index)
+        memo = self._masks.get((window, hit))
+        if memo is not None and torch.equal(memo[0], positions) and torch.equal(memo[1], key_positions):
+            return memo[2]
+        sliding = window_mask(self.model, index, positions, key_positions)
+        mask = both(causal_mask(positions, key_positions), sliding) if hit or sliding is not None else None
+        self._masks[(window, hit)] = (positions, key_positions, mask)
+        return mask
 
     def shared_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """What a prefix cache keeps of this prompt, once the run is done: K and V of every prompt
