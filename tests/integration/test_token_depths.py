@@ -93,6 +93,12 @@ def test_the_status_endpoint_shows_the_last_minute_and_the_workers(running, tiny
     assert [w["dtype"] for w in status["workers"] if w["role"] == "decode"] == ["float32"]
     # What the page's controls need: the model's layers, the presets, the depths' limit.
     spec = tiny_llama.engine.spec
-    assert status["model"] == {"name": "tiny-llama", "num_layers": spec.num_layers, "max_model_len": spec.max_positions}
+    assert status["model"] == {
+        "name": "tiny-llama",
+        "num_layers": spec.num_layers,
+        "max_model_len": spec.max_positions,
+        "chat_template": True,
+        "stage_layers": None,  # no sliding-window layer: a stage may sit at any layer
+    }
     assert status["pruning_presets"] == ["off", "default", "fast", "lazyllm"]
     assert status["max_depth_tokens"] == 4096
