@@ -112,10 +112,9 @@ class PruneConfig(BaseModel):
             if layer >= num_layers - 1:
                 raise ValueError(f"stage layer {layer} must be below the last layer ({num_layers - 1})")
             if stage_layers is not None and layer not in stage_layers:
-                allowed = [s for s in stage_layers if s < num_layers - 1]
                 raise ValueError(
                     f"stage layer {layer} is a sliding-window layer, whose queries do not see the whole prompt; "
-                    f"this model's stages may sit at its global layers {allowed}"
+                    f"this model's stages may sit at its global layers {_below_last(stage_layers, num_layers)}"
                 )
         return self
 
@@ -191,10 +190,15 @@ def preset(name: str, num_layers: int, stage_layers: tuple[int, ...] | None = No
 def _stage_layer(layer: int, num_layers: int, stage_layers: tuple[int, ...] | None) -> int:
     if stage_layers is None:
         return layer
-    allowed = [s for s in stage_layers if s < num_layers - 1]
+    allowed = _below_last(stage_layers, num_layers)
     if not allowed:
         raise ValueError("this model has no global attention layer below its last one to prune at")
     return next((s for s in allowed if s >= layer), allowed[-1])
+
+
+def _below_last(stage_layers: tuple[int, ...], num_layers: int) -> list[int]:
+    """The global layers a stage may use: a stage after the last layer would prune nothing."""
+    return [s for s in stage_layers if s < num_layers - 1]
 
 
 def default_pruning(num_layers: int) -> PruneConfig:
