@@ -23,16 +23,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos) + (rotated * sin)
 
 
+def padded(model: EngineModel, x: torch.Tensor) -> torch.Tensor:
+    """x [m, d] with zero rows appended up to the row count at which this host's matrix products
+    compute each row as a large call does (`model.rows`, shared/engine/invariant.py): a row's
+    numbers then do not depend on how many rows were computed with it. The caller keeps [:m]."""
+    m = x.shape[0]
+    target = model.rows[m] if m < len(model.rows) else m
+    return x if target == m else torch.cat([x, x.new_zeros(target - m, x.shape[1])])
+
+
 def project_qkv(model: EngineModel, index: int, h: torch.Tensor, positions: torch.Tensor):
     """Norm, q/k/v projections and RoPE at original positions. Returns q, k, v as [1, heads, m, D]."""
     layer = model.layers[index]
     attn = layer.self_attn
     spec = model.spec
     m = h.shape[0]
-    x = layer.input_layernorm(h)
-    q = attn.q_proj(x).view(1, m, spec.num_heads, spec.head_dim)
-    k = attn.k_proj(x).view(1, m, spec.num_kv_heads, spec.head_dim)
-    v = attn.v_proj(x).view(1, m, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    x = layer.input_layernorm(padded(model, h))
+    q = attn.q_proj(x)[:m].view(1, m, spec.num_heads, spec.head_dim)
+    k = attn.k_proj(x)[:m].view(1, m, spec.num_kv_heads, spec.head_dim)
+    v = attn.v_proj(x)[:m].view(1, m, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     if model.family.qk_norm:  # over each head's D, the last axis either side of the transpose
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -97,16 +106,66 @@ def attend(
     )
 
 
+# Prefill attention over the whole prompt runs in calls of TILE query rows at fixed original
+# positions [t * TILE, (t + 1) * TILE), each over the keys up to the tile's end (padded with zero
+# keys past the prompt's). A call's shapes then depend on the tile alone, never on the prompt's
+# length or on where the rows computed start, and SDPA's CPU kernel picks its blocking and its
+# path from the shapes: the length of the last block of keys (a prompt of 3,041 tokens against
+# one of 3,043 changed bfloat16 logits of SmolLM2 by 0.4), how many queries go together (AMX
+# hosts switch to packed brgemm at 64), a block of a single query row. So a prefix-cache hit,
+# which computes only the new rows over cached keys that a shorter prompt computed, gets the
+# same numbers as a prefill from scratch, whatever each prompt's length.
+TILE = 64
+
+
+def tiled_attention(
+    model: EngineModel,
+    index: int,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    masks: dict,
+) -> torch.Tensor:
+    """Causal attention of the queries at original positions start..n-1 (q [1, H, n - start, D])
+    over the keys at 0..n-1 ([1, Hkv, n, D]), within layer `index`'s sliding window if it has one.
+    masks: a memo of each tile's mask, which depends only on the tile and the window (a run keeps
+    one for all its layers). Returns [1, H, n - start, D]."""
+    n = keys.shape[2]
+    window = model.spec.window_at(index)
+    outs = []
+    for tile in range(start // TILE, (n - 1) // TILE + 1):
+        low, high = tile * TILE, (tile + 1) * TILE
+        # A sliding layer's tile reads the keys from the tile-aligned start of its first query's window.
+        key_low = 0 if window is None else max(0, low - window + 1) // TILE * TILE
+        first, last = max(low, start), min(high, n)  # the rows of this tile that are computed
+        q_tile = q[:, :, first - start : last - start]
+        if first > low or last < high:  # zero query rows around them: their outputs are dropped
+            q_tile = F.pad(q_tile, (0, 0, first - low, high - last))
+        k_tile, v_tile = keys[:, :, key_low:high], values[:, :, key_low:high]
+        if high > n:  # masked for every real row, which lies before n
+            k_tile, v_tile = F.pad(k_tile, (0, 0, 0, high - n)), F.pad(v_tile, (0, 0, 0, high - n))
+        mask = masks.get((tile, window))
+        if mask is None:
+            q_positions = torch.arange(low, high, device=q.device)
+            k_positions = torch.arange(key_low, high, device=q.device)
+            mask = causal_mask(q_positions, k_positions)
+            mask = masks[(tile, window)] = both(mask, window_mask(model, index, q_positions, k_positions))
+        outs.append(attend(model, q_tile, k_tile, v_tile, mask=mask)[:, :, first - low : last - low])
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
 def finish(model: EngineModel, index: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """Output projection, residual, post-attention norm, MLP, residual. h [m, hidden] -> [m, hidden]."""
     layer = model.layers[index]
     m = h.shape[0]
-    out = layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(m, -1))
+    h = padded(model, h)  # every row-wise step below on the padded rows; [:m] at the end
+    out = layer.self_attn.o_proj(padded(model, attn_out.transpose(1, 2).reshape(m, -1)))
     if model.family.sandwich_norm:
         h = h + layer.post_attention_layernorm(out)
-        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        return (h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h))))[:m]
     h = h + out
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return (h + layer.mlp(layer.post_attention_layernorm(h)))[:m]
 
 
 def window_scores(
@@ -165,7 +224,7 @@ def window_probs(
 
 def logits_of(model: EngineModel, h: torch.Tensor) -> torch.Tensor:
     """Final norm and lm_head on rows that each predict a next token. [m, hidden] -> [m, vocab]."""
-    logits = model.lm_head(model.norm(h))
+    logits = model.lm_head(model.norm(padded(model, h)))[: h.shape[0]]
     if model.final_softcap is not None:  # as the LM's forward applies it, in the model's dtype
         logits = torch.tanh(logits / model.final_softcap) * model.final_softcap
     return logits.float()

@@ -12,6 +12,7 @@ from torch import nn
 
 from shared.contract.model import ModelSpec
 from shared.engine.family import FAMILIES
+from shared.engine.invariant import projections, row_counts
 
 
 class EngineModel:
@@ -39,6 +40,9 @@ class EngineModel:
         self.scaling = self.layers[0].self_attn.scaling
         # Gemma 2's tanh cap on the logits (None for Gemma 3 and the others), as the LM head applies it.
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        # rows[m]: the row count a call of m rows is padded to (layer.padded), so that no row's
+        # numbers depend on how many were computed with it.
+        self.rows = row_counts(projections(self.layers, self.lm_head))
 
     @torch.inference_mode()
     def _rope_table(self, rotary_emb: nn.Module, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:

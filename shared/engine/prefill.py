@@ -22,7 +22,17 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.cache import BoundaryStates, LazyCache, QueryWindow
-from shared.engine.layer import attend, both, causal_mask, finish, logits_of, project_qkv, window_mask, window_scores
+from shared.engine.layer import (
+    attend,
+    both,
+    causal_mask,
+    finish,
+    logits_of,
+    project_qkv,
+    tiled_attention,
+    window_mask,
+    window_scores,
+)
 from shared.engine.model import EngineModel
 from shared.engine.prefix import PrefixHit, held_layers
 from shared.engine.pruning import PruneConfig, ScoreInputs, scorer_for, select
@@ -90,6 +100,7 @@ class PrefillRun:
         self.h: torch.Tensor | None = None  # [live, hidden]; embedded at the first step
         self.layer = 0
         self._masks: dict[tuple, tuple] = {}  # (window, hit) -> (query positions, key positions, mask)
+        self._tiles: dict[tuple, torch.Tensor] = {}  # (tile, window) -> mask: tiled_attention's memo
         self.logits: torch.Tensor | None = None  # [vocab], once the last layer has run
         # With keep_boundary, the cache keeps every token's hidden state leaving layer held - 1
         # (what a prefix cache entry holds besides K/V); decode adds the generated tokens'.
@@ -136,12 +147,19 @@ class PrefillRun:
             h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], keys, values, mask=mask))
             self.logits = logits_of(model, h)[0]
             self._masks.clear()  # a finished run may be held for decode: not its masks
+            self._tiles.clear()
         else:
-            mask = self._mask(index, positions, key_positions, hit)
-            if mask is not None:
-                h = finish(model, index, h, attend(model, q, keys, values, mask=mask))
+            if key_positions.shape[0] == n:
+                # Every prompt token has K here (no stage has pruned yet): the rows computed are a
+                # run of positions to the end, computed tile by tile as every prompt computes them.
+                out = tiled_attention(model, index, q, keys, values, int(positions[0]), self._tiles)
             else:
-                h = finish(model, index, h, attend(model, q, k, v, is_causal=True))
+                mask = self._mask(index, positions, key_positions, hit)
+                if mask is not None:
+                    out = attend(model, q, keys, values, mask=mask)
+                else:
+                    out = attend(model, q, k, v, is_causal=True)
+            h = finish(model, index, h, out)
             if hit and index == self.prefix.layers - 1:
                 # Leaving the last shared layer: the cached tokens rejoin from their stored states.
                 h = torch.cat([self.prefix.hidden.to(model.device), h])

@@ -1,12 +1,16 @@
-"""The engine in bfloat16 equals transformers in bfloat16: with pruning off, the same greedy tokens
-as `generate()` and first-token logits within bfloat16's rounding; caches and transfers take half
-the bytes of float32.
+"""The engine in bfloat16 equals transformers in bfloat16: with pruning off, greedy tokens that
+transformers ranks first and first-token logits within bfloat16's rounding; caches and transfers
+take half the bytes of float32.
 
 Both sides load the same weights in bfloat16 here, whatever `--dtype auto` would pick on this host.
 Tolerance of the logits: bfloat16 keeps 8 significant bits, so a logit near 20 is a multiple of
-0.125. The two paths run the same modules but group attention's sums differently (grouped KV heads
-natively vs repeated), and a rounding step anywhere in 30 layers can move a logit by a step of the
-largest one; two steps of the largest logit's spacing is the bound, and greedy tokens must agree.
+0.125. The two paths run the same modules but do not group the sums alike: the engine computes
+prefill attention in tiles of fixed positions and pads small projections (so that no token's
+numbers depend on the prompt's length, a prefix-cache hit or the batch: test_invariance.py), where
+transformers makes one call of the whole prompt. A rounding step anywhere in the layers can move
+a logit by a step of the largest one; four steps of the largest logit's spacing is the bound
+(Gemma 3 270M, whose activations are the largest, measured three), and greedy tokens are checked
+teacher-forced (tests/helpers.py).
 """
 
 from __future__ import annotations

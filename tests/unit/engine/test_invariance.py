@@ -1,0 +1,187 @@
+"""The cache and the route change no bit: a token's numbers do not depend on what else is
+computed with it or before it.
+
+Each check is `torch.equal`, not a tolerance, in float32 and bfloat16, on tiny random models (one
+with sliding-window layers) and on SmolLM2:
+- the rows of a prompt do not depend on the tokens after it (the prefix cache keeps rows that a
+  shorter or longer prompt computed);
+- a prefill from a prefix-cache hit equals one from scratch, logits and the decode after it, with
+  pruning off and on, also when the hit leaves only a few tokens to compute;
+- each sequence of a batch of 16 decodes as it does alone;
+- a cache sent by a prefill worker decodes as the receiver's own prefill does.
+What makes them hold: prefill attention in tiles of fixed positions and padded small projections
+(shared/engine/layer.py, shared/engine/invariant.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assemble, encode_transfer
+
+from shared.engine import OFF, PrefillRun, PruneConfig, SamplingParams, decode_batch, prefill
+from shared.engine.layer import padded
+from shared.engine.prefix import PrefixCache, block_keys, held_layers, namespace
+
+DTYPES = ["float32", "bfloat16"]
+LAZY = PruneConfig(stages=((1, 0.5), (3, 0.2)), window=4)
+STEPS = 4
+
+
+def _ids(loaded, n: int, seed: int) -> torch.Tensor:
+    if loaded.name.startswith("tiny"):
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randint(3, loaded.engine.spec.vocab_size, (n,), generator=generator)
+    from pydoc_data.topics import topics  # real prose for a real model: its attention is not uniform
+
+    text = " ".join(topics.values())[seed * 9000 :]
+    ids = loaded.tokenizer(text[: 8 * n]).input_ids[:n]
+    assert len(ids) == n
+    return torch.tensor(ids)
+
+
+def _configs(loaded):
+    if loaded.name.startswith("tiny"):
+        return {"off": OFF, "pruned": LAZY}
+    # The default preset; its floor of 1,024 prompt tokens lowered for the batch's short prompts.
+    return {"off": OFF, "pruned": loaded.engine.spec.preset("default").model_copy(update={"min_prompt_tokens": 0})}
+
+
+def _run(model, ids, config, prefix=None) -> PrefillRun:
+    run = PrefillRun(model, ids, config, reserve=STEPS + 1, prefix=prefix, keep_boundary=True)
+    while not run.done:
+        run.step()
+    return run
+
+
+def _decode(model, cache, logits, config) -> list[torch.Tensor]:
+    rows = [logits]
+    for _ in range(STEPS):
+        rows.append(decode_batch(model, [(cache, int(rows[-1].argmax()), config)])[0])
+    return rows
+
+
+def _assert_rows_equal(mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    for step, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {float((a - b).abs().max())}"
+
+
+# (cached document, first prompt, second prompt): whole blocks of 16 cached, prompts of lengths
+# that end mid-tile; tiny models span four tiles, SmolLM2 twenty-two.
+SIZES = {"tiny": (160, 211, 229), "SmolLM2-135M-Instruct": (1056, 1387, 1413)}
+
+
+SLOW = pytest.mark.slow
+
+
+def models(smollm2_bfloat16_fast: bool = True) -> list:
+    """(model, dtype) cases: the tiny models in both dtypes, SmolLM2 in bfloat16 (the dtype `auto`
+    picks on hosts with AVX512-BF16 or AMX) in `make test` where asked, the rest in the slow tier."""
+    cases = []
+    for dtype in DTYPES:
+        cases.append(pytest.param("tiny-llama", dtype, id=f"tiny-llama-{dtype}"))
+        cases.append(pytest.param("tiny-gemma3", dtype, id=f"tiny-gemma3-{dtype}"))  # windows of 16
+        fast = smollm2_bfloat16_fast and dtype == "bfloat16"
+        cases.append(pytest.param("SmolLM2-135M-Instruct", dtype, id=f"smollm2-{dtype}", marks=() if fast else SLOW))
+    return cases
+
+
+def _sizes(name):
+    return SIZES.get(name, SIZES["tiny"])
+
+
+@pytest.mark.parametrize(("name", "dtype"), models())
+def test_a_prompts_rows_do_not_depend_on_what_follows(load, name, dtype):
+    loaded = load(name, dtype)
+    model = loaded.engine
+    cached, short, long = _sizes(name)
+    ids = _ids(loaded, long, 1)
+    a, b = _run(model, ids[:short], OFF), _run(model, ids, OFF)
+    for layer, (mine, theirs) in enumerate(zip(a.cache.layers, b.cache.layers)):
+        assert torch.equal(mine.k[:, :, :short], theirs.k[:, :, :short]), f"K at layer {layer}"
+        assert torch.equal(mine.v[:, :, :short], theirs.v[:, :, :short]), f"V at layer {layer}"
+
+
+@pytest.mark.parametrize("config_name", ["off", "pruned"])
+@pytest.mark.parametrize(("name", "dtype"), models())
+@pytest.mark.parametrize("new_tokens", ["question", "few"])
+def test_a_hit_equals_a_prefill_from_scratch(load, name, dtype, config_name, new_tokens):
+    """The cached rows come from another prompt, of another length, with the same start (a
+    document and its first question); the prompt (the document and another question) is computed
+    from them and from scratch."""
+    loaded = load(name, dtype)
+    model = loaded.engine
+    config = _configs(loaded)[config_name]
+    cached, short, long = _sizes(name)
+    document = _ids(loaded, cached, 2)
+    first = torch.cat([document, _ids(loaded, short - cached, 3)])
+    if new_tokens == "question":
+        prompt = torch.cat([document, _ids(loaded, long - cached, 4)])
+    else:  # five rows: the projections of a small call, padded
+        prompt = torch.cat([document, _ids(loaded, 5, 4)])
+    block = 16
+    root = namespace(loaded.name, dtype, held_layers(config, model.spec.num_layers))
+    store = PrefixCache(1 << 32, block_tokens=block)
+    store.insert(block_keys(first.tolist(), root, block), *_run(model, first, config).shared_rows())
+    hit = store.lookup(block_keys(prompt.tolist(), root, block), prompt.shape[0] - max(config.window, 1))
+    window = max(config.for_prompt(prompt.shape[0]).window, 1)
+    assert hit is not None and hit.tokens == min(cached, (prompt.shape[0] - window) // block * block)
+    warm, cold = _run(model, prompt, config, prefix=hit), _run(model, prompt, config)
+    store.release(hit)
+    assert warm.cache.kept_per_layer == cold.cache.kept_per_layer
+    _assert_rows_equal(_decode(model, warm.cache, warm.logits, config), _decode(model, cold.cache, cold.logits, config))
+
+
+@pytest.mark.parametrize("config_name", ["off", "pruned"])
+@pytest.mark.parametrize(("name", "dtype"), models())
+def test_each_of_a_batch_of_16_decodes_as_it_does_alone(load, name, dtype, config_name):
+    loaded = load(name, dtype)
+    model = loaded.engine
+    config = _configs(loaded)[config_name]
+    together, alone = [], []
+    for i in range(16):
+        ids = _ids(loaded, 40 + 13 * i, 10 + i)
+        for store in (together, alone):
+            cache, logits = prefill(model, ids, config, reserve=STEPS)
+            store.append([cache, int(logits.argmax()), config])
+    for step in range(STEPS):
+        rows = decode_batch(model, [tuple(item) for item in together])
+        for i, item in enumerate(alone):
+            single = decode_batch(model, [tuple(item)])[0]
+            assert torch.equal(rows[i], single), f"step {step}, sequence {i}"
+            together[i][1] = item[1] = int(single.argmax())
+    if config_name == "pruned" and name.startswith("tiny"):
+        # Revived rows were computed inside the batch's calls too (SmolLM2's default revives
+        # nothing in these four steps of short prompts: it re-selects every 8).
+        assert sum(item[0].revived_token_layers for item in together) > 0
+
+
+@pytest.mark.parametrize("config_name", ["off", "pruned"])
+@pytest.mark.parametrize(("name", "dtype"), models())
+def test_a_transferred_cache_decodes_as_the_receivers_own_prefill(load, name, dtype, config_name):
+    loaded = load(name, dtype)
+    model = loaded.engine
+    config = _configs(loaded)[config_name]
+    ids = _ids(loaded, _sizes(name)[1], 5)
+    sent, messages = encode_transfer(loaded, ids.tolist(), config, SamplingParams(max_new_tokens=STEPS))
+    received = assemble(loaded, messages)
+    local, logits = prefill(model, ids, config, reserve=STEPS)
+    assert received.first_tokens == [int(logits.argmax())]
+    _assert_rows_equal(_decode(model, received.cache, logits, config), _decode(model, local, logits, config))
+
+
+@pytest.mark.parametrize(("name", "dtype"), models())
+def test_padded_projections_compute_each_row_as_a_large_call(load, name, dtype):
+    """The probe's row counts hold on this host for every call size a step makes: 1 to 40 rows
+    of a 256-row call, through every projection and the LM head, on the model's own weights."""
+    model = load(name, dtype).engine
+    layer = model.layers[0]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, model.spec.hidden_size, generator=generator).to(model.dtype)
+    with torch.inference_mode():
+        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_proj, model.lm_head):
+            full = module(x)
+            for m in range(1, 41):
+                for start in range(0, 256 - m + 1, max(m, 32)):
+                    rows = module(padded(model, x[start : start + m]))[:m]
+                    assert torch.equal(rows, full[start : start + m]), f"{m} rows at {start}"
