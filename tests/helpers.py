@@ -84,7 +84,7 @@ def _bf16_step(reference: torch.Tensor) -> float:
 
 def compare_with_transformers(loaded, ids: torch.Tensor, steps: int = 16) -> None:
     """Pruning off, the prompt `ids`: first-token logits as transformers' (float32: within 1e-4;
-    bfloat16: four steps of the largest logit's spacing, see test_bfloat16), and greedy tokens that
+    bfloat16: six steps of the largest logit's spacing, see test_bfloat16), and greedy tokens that
     transformers ranks first at every step.
 
     The engine's decode rows are computed as rows of a large call are (shared/engine/invariant.py:
@@ -99,7 +99,7 @@ def compare_with_transformers(loaded, ids: torch.Tensor, steps: int = 16) -> Non
         reference = model.hf(device_ids, logits_to_keep=1).logits[0, -1].float()
         _, logits = prefill(model, ids, OFF)
         expected = model.hf.generate(device_ids, max_new_tokens=steps, do_sample=False)[0, ids.shape[0] :].tolist()
-    bound = 4 * _bf16_step(reference) if model.dtype == torch.bfloat16 else 1e-4
+    bound = 6 * _bf16_step(reference) if model.dtype == torch.bfloat16 else 1e-4
     difference = float((logits - reference).abs().max())
     assert difference <= bound, f"logits differ by {difference}"
     eos = loaded.stop_token_ids

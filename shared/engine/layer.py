@@ -106,19 +106,28 @@ def attend(
     )
 
 
-# Prefill attention over the whole prompt runs in calls of TILE query rows at fixed original
-# positions [t * TILE, (t + 1) * TILE), each over the keys up to the tile's end (padded with zero
-# keys past the prompt's). A call's shapes then depend on the tile alone, never on the prompt's
-# length or on where the rows computed start, and SDPA's CPU kernel picks its blocking and its
-# path from the shapes: the length of the last block of keys (a prompt of 3,041 tokens against
-# one of 3,043 changed bfloat16 logits of SmolLM2 by 0.4), how many queries go together (AMX
-# hosts switch to packed brgemm at 64), a block of a single query row. So a prefix-cache hit,
-# which computes only the new rows over cached keys that a shorter prompt computed, gets the
-# same numbers as a prefill from scratch, whatever each prompt's length.
-TILE = 64
+# Prefill attention over the prompt is one SDPA call whose shapes do not let the prompt's length
+# or where the computed rows start change a row's sums. PyTorch's CPU kernel (cpu_flash_attention
+# in aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) walks the keys in blocks of KEY_BLOCK, so
+# the length of the last block depends on the prompt's: a prompt of 3,041 tokens against one of
+# 3,043 moved SmolLM2's bfloat16 logits by 0.4. It takes the queries in blocks of 32, 64 or 256
+# (by their count), and a block of a single row goes to another kernel. On hosts with AMX it
+# switches to packed brgemm at MIN_QUERIES queries. So: keys padded with zero keys (masked) to a
+# whole number of blocks, at least MIN_QUERIES query rows, and never a last block of one row. A
+# prefix-cache hit, which computes only the new rows over cached keys that another prompt
+# computed, then gets the numbers of a prefill from scratch, whatever each prompt's length.
+KEY_BLOCK = 512
+MIN_QUERIES = 64
 
 
-def tiled_attention(
+def _query_rows(m: int) -> int:
+    """The query rows a call of m computed rows is padded to."""
+    rows = max(m, MIN_QUERIES)
+    split = 256 if rows >= 768 else 64 if rows >= 192 else 32  # the kernel's query blocks
+    return rows + 1 if rows % split == 1 else rows
+
+
+def prompt_attention(
     model: EngineModel,
     index: int,
     q: torch.Tensor,
@@ -129,30 +138,25 @@ def tiled_attention(
 ) -> torch.Tensor:
     """Causal attention of the queries at original positions start..n-1 (q [1, H, n - start, D])
     over the keys at 0..n-1 ([1, Hkv, n, D]), within layer `index`'s sliding window if it has one.
-    masks: a memo of each tile's mask, which depends only on the tile and the window (a run keeps
-    one for all its layers). Returns [1, H, n - start, D]."""
-    n = keys.shape[2]
+    masks: a memo of the masks by (start, rows, keys, window), which a run keeps for its layers.
+    Returns [1, H, n - start, D]."""
+    n, m = keys.shape[2], q.shape[2]
+    padded_keys = -(-n // KEY_BLOCK) * KEY_BLOCK
+    rows = _query_rows(m)
+    q = F.pad(q, (0, 0, 0, rows - m))  # zero queries after the real ones: their outputs are dropped
+    keys = F.pad(keys, (0, 0, 0, padded_keys - n))  # after every real row's position: masked
+    values = F.pad(values, (0, 0, 0, padded_keys - n))
     window = model.spec.window_at(index)
-    outs = []
-    for tile in range(start // TILE, (n - 1) // TILE + 1):
-        low, high = tile * TILE, (tile + 1) * TILE
-        # A sliding layer's tile reads the keys from the tile-aligned start of its first query's window.
-        key_low = 0 if window is None else max(0, low - window + 1) // TILE * TILE
-        first, last = max(low, start), min(high, n)  # the rows of this tile that are computed
-        q_tile = q[:, :, first - start : last - start]
-        if first > low or last < high:  # zero query rows around them: their outputs are dropped
-            q_tile = F.pad(q_tile, (0, 0, first - low, high - last))
-        k_tile, v_tile = keys[:, :, key_low:high], values[:, :, key_low:high]
-        if high > n:  # masked for every real row, which lies before n
-            k_tile, v_tile = F.pad(k_tile, (0, 0, 0, high - n)), F.pad(v_tile, (0, 0, 0, high - n))
-        mask = masks.get((tile, window))
-        if mask is None:
-            q_positions = torch.arange(low, high, device=q.device)
-            k_positions = torch.arange(key_low, high, device=q.device)
-            mask = causal_mask(q_positions, k_positions)
-            mask = masks[(tile, window)] = both(mask, window_mask(model, index, q_positions, k_positions))
-        outs.append(attend(model, q_tile, k_tile, v_tile, mask=mask)[:, :, first - low : last - low])
-    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    if start == 0 and window is None:  # causal from the first key: is_causal, top-left aligned, says it all
+        return attend(model, q, keys, values, is_causal=True)[:, :, :m]
+    key = (start, rows, padded_keys, window)
+    mask = masks.get(key)
+    if mask is None:
+        q_positions = torch.arange(start, start + rows, device=q.device)
+        k_positions = torch.arange(padded_keys, device=q.device)
+        sliding = window_mask(model, index, q_positions, k_positions)
+        mask = masks[key] = both(causal_mask(q_positions, k_positions), sliding)
+    return attend(model, q, keys, values, mask=mask)[:, :, :m]
 
 
 def finish(model: EngineModel, index: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:

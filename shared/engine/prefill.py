@@ -29,7 +29,7 @@ from shared.engine.layer import (
     finish,
     logits_of,
     project_qkv,
-    tiled_attention,
+    prompt_attention,
     window_mask,
     window_scores,
 )
@@ -100,7 +100,7 @@ class PrefillRun:
         self.h: torch.Tensor | None = None  # [live, hidden]; embedded at the first step
         self.layer = 0
         self._masks: dict[tuple, tuple] = {}  # (window, hit) -> (query positions, key positions, mask)
-        self._tiles: dict[tuple, torch.Tensor] = {}  # (tile, window) -> mask: tiled_attention's memo
+        self._prompt_masks: dict[tuple, torch.Tensor] = {}  # prompt_attention's masks
         self.logits: torch.Tensor | None = None  # [vocab], once the last layer has run
         # With keep_boundary, the cache keeps every token's hidden state leaving layer held - 1
         # (what a prefix cache entry holds besides K/V); decode adds the generated tokens'.
@@ -147,12 +147,12 @@ class PrefillRun:
             h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], keys, values, mask=mask))
             self.logits = logits_of(model, h)[0]
             self._masks.clear()  # a finished run may be held for decode: not its masks
-            self._tiles.clear()
+            self._prompt_masks.clear()
         else:
             if key_positions.shape[0] == n:
                 # Every prompt token has K here (no stage has pruned yet): the rows computed are a
-                # run of positions to the end, computed tile by tile as every prompt computes them.
-                out = tiled_attention(model, index, q, keys, values, int(positions[0]), self._tiles)
+                # run of positions to the end, computed as every prompt computes them.
+                out = prompt_attention(model, index, q, keys, values, int(positions[0]), self._prompt_masks)
             else:
                 mask = self._mask(index, positions, key_positions, hit)
                 if mask is not None:
