@@ -291,20 +291,15 @@ class Scheduler:
         if sequence.decoding is not None:
             sequence.decoding.close(self.model.spec.num_layers)
             self.revived_token_layers += sequence.generation.stats.revived_token_layers
-        if self.prefix is not None:
-            if sequence.prefill is not None:  # a local prefill that did not finish: unpin its hit
-                self.prefix.abandon(sequence.prefill)
-            elif sequence.decoding is not None and kind == DONE:
-                self._cache_safely(lambda: self._remember(sequence), sequence)
+        # A finished sequence's answer is not cached: decode computed its tokens one query row
+        # at a time, and SDPA sums a single row otherwise than the same row inside a prefill's
+        # call, so a next turn that started from them could part from a prefill of the same text
+        # (1 of 10 later turns in bench prefix). The next turn starts from its prompt, cached
+        # when it was prefilled or received, and prefills the answer.
+        if self.prefix is not None and sequence.prefill is not None:
+            self.prefix.abandon(sequence.prefill)  # a local prefill that did not finish: unpin its hit
         sequence.prefill = None
         sequence.outbox.put((kind, sequence.index, detail))
-
-    def _remember(self, sequence: Sequence) -> None:
-        """A finished sequence's prompt and answer (the tokens fed to the model) go to the prefix
-        cache: the next turn of its conversation starts with them."""
-        decoding = sequence.decoding
-        ids = sequence.prompt_ids + decoding.generation.tokens
-        self.prefix.remember(decoding.cache, ids, decoding.config, sequence.cache_salt)
 
     @staticmethod
     def _cache_safely(action, sequence: Sequence) -> None:
