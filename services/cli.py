@@ -23,6 +23,7 @@ def _load_llm(settings):
     from shared.models.weights import load_model
 
     loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir)
+    loaded.engine.set_batch_invariant(settings.batch_invariant)
     from shared.engine import PrefixReuse
 
     prefix = PrefixReuse.configured(loaded.engine, loaded.name, settings)
@@ -48,7 +49,16 @@ def cmd_run_batch(args) -> int:
 
 
 def _engine_overrides(args) -> dict:
-    names = ("model", "threads", "dtype", "device", "enable_prefix_caching", "prefix_cache_bytes", "chat_template")
+    names = (
+        "model",
+        "threads",
+        "dtype",
+        "device",
+        "enable_prefix_caching",
+        "prefix_cache_bytes",
+        "chat_template",
+        "batch_invariant",
+    )
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -100,6 +110,7 @@ def cmd_up(args) -> int:
             threads=args.threads,
             dtype=args.dtype,
             enable_prefix_caching=args.enable_prefix_caching,
+            batch_invariant=args.batch_invariant,
             prefix_cache_bytes=args.prefix_cache_bytes,
             local_threshold=args.local_threshold,
             pruning_preset=args.pruning,
@@ -167,6 +178,17 @@ def add_chat_template_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_batch_invariant_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a sequence's tokens do not depend on what it is batched with (on by default; "
+        "LAZYSERVE_BATCH_INVARIANT): small projection calls are padded, which float32 decode of one "
+        "sequence pays most (docs/results.md)",
+    )
+
+
 def add_prefix_cache_flags(parser: argparse.ArgumentParser, budget: bool = True) -> None:
     """vLLM's flag pair: on unless turned off (LAZYSERVE_ENABLE_PREFIX_CACHING)."""
     parser.add_argument(
@@ -201,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--threads", type=int, default=None)
     add_dtype_flag(batch)
     add_prefix_cache_flags(batch)
+    add_batch_invariant_flag(batch)
     add_chat_template_flag(batch)
     batch.add_argument("--compare", action="store_true", help="also run unpruned and print both side by side")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -212,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         service.add_argument("--threads", type=int, default=None, help="torch threads (default: every core here)")
         add_dtype_flag(service)
         add_prefix_cache_flags(service)
+        add_batch_invariant_flag(service)
         service.add_argument("--host", default=None)
         service.add_argument("--port", type=int, default=None, help="0 picks a free port")
     prefill.add_argument("--num-actors", type=int, default=None)
@@ -237,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_dtype_flag(stack)
     add_prefix_cache_flags(stack)
+    add_batch_invariant_flag(stack)
     add_chat_template_flag(stack)
     stack.add_argument("--host", default="127.0.0.1", help="the gateway's address (0.0.0.0: every interface)")
     stack.add_argument("--port", type=int, default=8000, help="the gateway's port")

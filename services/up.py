@@ -179,6 +179,7 @@ class UpOptions:
     threads: int | None = None  # None: each worker sizes itself to the host's cores
     dtype: str | None = None  # None: LAZYSERVE_DTYPE, else auto
     enable_prefix_caching: bool | None = None  # None: LAZYSERVE_ENABLE_PREFIX_CACHING, else on
+    batch_invariant: bool | None = None  # the workers'; None: LAZYSERVE_BATCH_INVARIANT, else on
     prefix_cache_bytes: str | None = None  # each worker's; None: LAZYSERVE_PREFIX_CACHE_BYTES, else 2 GiB
     local_threshold: int | None = None
     pruning_preset: str | None = None
@@ -201,6 +202,8 @@ def up(options: UpOptions) -> int:
     engine = common + (["--dtype", o.dtype] if o.dtype else [])  # the gateway loads no weights
     if o.prefix_cache_bytes is not None:
         engine += ["--prefix-cache-bytes", o.prefix_cache_bytes]
+    if o.batch_invariant is not None:
+        engine.append("--batch-invariant" if o.batch_invariant else "--no-batch-invariant")
     try:
         with console.status("starting decode workers and prefill actors (the first start converts the model, ~30 s)"):
             decoders = [

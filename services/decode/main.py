@@ -20,6 +20,7 @@ def serve(settings: DecodeSettings) -> int:
     engine = settings.engine
     engine.apply_threads()
     loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
+    loaded.engine.set_batch_invariant(engine.batch_invariant)
     worker = start_decode_worker(settings, loaded)
     # One line on stdout that scripts (and tests) wait for; the port may have been picked by the OS.
     heartbeat = None

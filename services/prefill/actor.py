@@ -40,6 +40,7 @@ class PrefillActor:
         tune_malloc()
         log.info("prefill actor: %d torch threads", torch.get_num_threads())
         loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
+        loaded.engine.set_batch_invariant(engine.batch_invariant)
         if settings.host in ("0.0.0.0", "::") and settings.advertise_host is None:  # noqa: S104 -- a check, not a bind
             # Reachable from other nodes at this node's address, wherever Ray placed the actor.
             settings = settings.model_copy(update={"advertise_host": ray.util.get_node_ip_address()})

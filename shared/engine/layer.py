@@ -111,18 +111,19 @@ def attend(
 # in aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) walks the keys in blocks of KEY_BLOCK, so
 # the length of the last block depends on the prompt's: a prompt of 3,041 tokens against one of
 # 3,043 moved SmolLM2's bfloat16 logits by 0.4. It takes the queries in blocks of 32, 64 or 256
-# (by their count), and a block of a single row goes to another kernel. On hosts with AMX it
-# switches to packed brgemm at MIN_QUERIES queries. So: keys padded with zero keys (masked) to a
-# whole number of blocks, at least MIN_QUERIES query rows, and never a last block of one row. A
-# prefix-cache hit, which computes only the new rows over cached keys that another prompt
-# computed, then gets the numbers of a prefill from scratch, whatever each prompt's length.
+# (by their count), and a block of a single row goes to another kernel. On hosts with AMX, in
+# bfloat16, it switches to packed brgemm at MIN_QUERIES queries. So: keys padded with zero keys
+# (masked) to a whole number of blocks, never a last block of one query row, and where the kernel
+# packs (`model.sdpa_packs`) at least MIN_QUERIES query rows. A prefix-cache hit, which computes
+# only the new rows over cached keys that another prompt computed, then gets the numbers of a
+# prefill from scratch, whatever each prompt's length.
 KEY_BLOCK = 512
 MIN_QUERIES = 64
 
 
-def _query_rows(m: int) -> int:
+def _query_rows(model: EngineModel, m: int) -> int:
     """The query rows a call of m computed rows is padded to."""
-    rows = max(m, MIN_QUERIES)
+    rows = max(m, MIN_QUERIES) if model.sdpa_packs else m
     split = 256 if rows >= 768 else 64 if rows >= 192 else 32  # the kernel's query blocks
     return rows + 1 if rows % split == 1 else rows
 
@@ -142,7 +143,7 @@ def prompt_attention(
     Returns [1, H, n - start, D]."""
     n, m = keys.shape[2], q.shape[2]
     padded_keys = -(-n // KEY_BLOCK) * KEY_BLOCK
-    rows = _query_rows(m)
+    rows = _query_rows(model, m)
     q = F.pad(q, (0, 0, 0, rows - m))  # zero queries after the real ones: their outputs are dropped
     keys = F.pad(keys, (0, 0, 0, padded_keys - n))  # after every real row's position: masked
     values = F.pad(values, (0, 0, 0, padded_keys - n))

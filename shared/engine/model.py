@@ -42,7 +42,11 @@ class EngineModel:
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         # rows[m]: the row count a call of m rows is padded to (layer.padded), so that no row's
         # numbers depend on how many were computed with it.
-        self.rows = row_counts(projections(self.layers, self.lm_head))
+        self.rows: tuple[int, ...] = ()
+        self.set_batch_invariant(True)
+        # Whether SDPA's CPU kernel may switch to packed AMX brgemm by the number of queries (in
+        # bfloat16 and float16, where the CPU has AMX tiles): layer.prompt_attention pads for it.
+        self.sdpa_packs = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16) and _has_amx()
 
     @torch.inference_mode()
     def _rope_table(self, rotary_emb: nn.Module, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +58,15 @@ class EngineModel:
             cos, sin = rotary_emb(probe, positions)
         return cos[0], sin[0]
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """Pad small projection calls (on, the default) or leave them to the BLAS's own small-call
+        kernels (off: faster where those are, and a row's numbers depend on the call's size)."""
+        self.rows = row_counts(projections(self.layers, self.lm_head)) if on else ()
+
+    @property
+    def batch_invariant(self) -> bool:
+        return bool(self.rows)
+
     @property
     def dtype_name(self) -> str:
         """The weights' dtype as a name: "float32", "bfloat16", ..."""
@@ -62,3 +75,10 @@ class EngineModel:
     @property
     def config(self):
         return self.hf.config
+
+
+def _has_amx() -> bool:
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without the probe: assume the kernel may pack
+        return True

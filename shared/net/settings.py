@@ -39,6 +39,12 @@ class EngineSettings(BaseSettings):
     enable_prefix_caching: bool = Field(
         True, description="reuse the layers before the first cut of a prompt's cached start (vLLM's flag)"
     )
+    batch_invariant: bool = Field(
+        True,
+        description="pad small projection calls so that a sequence's numbers do not depend on what it is "
+        "batched with (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference); off saves the padded "
+        "rows' work, which float32 decode of one sequence pays most",
+    )
     # 2 GiB per worker: `up` runs two (prefill and decode), so 4 GiB of a 24 GiB host, next to
     # two copies of the weights and the running sequences. At SmolLM2's default preset (19 of 30
     # layers held, float32) a token takes 31.5 KiB: about 68k tokens, twenty 3k-token documents.

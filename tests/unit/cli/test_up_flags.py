@@ -39,3 +39,21 @@ def test_prefill_niceness_reaches_the_prefill_settings(monkeypatch):
     assert PrefillSettings().niceness == 12
     with pytest.raises(ValidationError, match="niceness"):
         PrefillSettings(niceness=20)
+
+
+def test_batch_invariance_is_on_unless_turned_off(monkeypatch):
+    """`--no-batch-invariant` (or LAZYSERVE_BATCH_INVARIANT=false) reaches each worker's engine
+    settings; without either it is on."""
+    from services.cli import _service_overrides
+    from services.decode.settings import DecodeSettings
+
+    assert build_parser().parse_args(["up", "--no-batch-invariant"]).batch_invariant is False
+    assert build_parser().parse_args(["up"]).batch_invariant is None  # unset: the settings decide
+    for command in ("decode-worker", "prefill-worker", "run-batch -i a -o b"):
+        args = build_parser().parse_args([*command.split(), "--no-batch-invariant"])
+        assert args.batch_invariant is False
+    args = build_parser().parse_args(["decode-worker", "--no-batch-invariant"])
+    assert DecodeSettings(**_service_overrides(args, ())).engine.batch_invariant is False
+    assert DecodeSettings().engine.batch_invariant is True
+    monkeypatch.setenv("LAZYSERVE_BATCH_INVARIANT", "false")
+    assert DecodeSettings().engine.batch_invariant is False

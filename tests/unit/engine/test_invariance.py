@@ -185,3 +185,32 @@ def test_padded_projections_compute_each_row_as_a_large_call(load, name, dtype):
                 for start in range(0, 256 - m + 1, max(m, 32)):
                     rows = module(padded(model, x[start : start + m]))[:m]
                     assert torch.equal(rows, full[start : start + m]), f"{m} rows at {start}"
+
+
+@pytest.mark.parametrize("config_name", ["off", "pruned"])
+def test_a_hit_equals_scratch_with_the_query_padding_of_amx_hosts(load, config_name):
+    """Where SDPA may pack (AMX, bfloat16), prefill calls get at least 64 query rows; this host's
+    kernel does not pack, so here the padding itself must change no number either."""
+    loaded = load("tiny-llama", "bfloat16")
+    model = loaded.engine
+    packs = model.sdpa_packs
+    model.sdpa_packs = True
+    try:
+        test_a_hit_equals_a_prefill_from_scratch(load, "tiny-llama", "bfloat16", config_name, "few")
+        ids = _ids(loaded, 229, 1)
+        a, b = _run(model, ids[:150], OFF), _run(model, ids, OFF)
+        for mine, theirs in zip(a.cache.layers, b.cache.layers):
+            assert torch.equal(mine.k[:, :, :150], theirs.k[:, :, :150])
+    finally:
+        model.sdpa_packs = packs
+
+
+def test_batch_invariance_turned_off_leaves_small_calls_unpadded(load):
+    model = load("tiny-llama", "float32").engine
+    x = torch.ones(1, model.spec.hidden_size)
+    assert model.batch_invariant and padded(model, x).shape[0] == model.rows[1] >= 4
+    model.set_batch_invariant(False)
+    try:
+        assert not model.batch_invariant and padded(model, x) is x
+    finally:
+        model.set_batch_invariant(True)
