@@ -12,13 +12,14 @@ call of 1, 2, 3, 5, 6, 7, 9, 10 or 11 rows differs from the same rows inside a l
 because most differences of the float32 sums vanish in the rounding to bfloat16: a probe on a few
 random rows can miss them.
 
-So the engine pads a call's rows with zero rows (`padded` in layer.py) to at least MIN_ROWS,
-below which every kind of call tried had a kernel of its own, and then up to the smallest count
-that agrees. This module finds those counts once per process, on the model's own projection
-weights: for each count from MIN_ROWS to PROBE_ROWS, the rows of a PROBE_CALL-row call computed in
-calls of that count. Counts of PROBE_ROWS and more are taken as large calls (every count up to
-3,100 agreed on the host above). The cost is what the padded rows compute, and only small calls
-pay it: `lazyserve bench decode` measures it (docs/results.md).
+So the engine pads a call's rows with zero rows (`padded` in layer.py) to at least MIN_ROWS, below
+which every kind of call tried had a kernel of its own, and then up to the smallest count that
+agrees. This module finds those counts once per process, on the model's own projection weights: for
+each count from MIN_ROWS to PROBE_ROWS, the rows of a PROBE_CALL-row call computed in calls of that
+count (0.1 to 2 s per model and dtype; Gemma 3's LM head of 262k rows is the most). Counts of
+PROBE_ROWS and more are taken as large calls (every count up to 3,100 agreed on the host above).
+The cost is what the padded rows compute, and only small calls pay it: `lazyserve bench decode`
+measures it (docs/results.md).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from torch import nn
 
 MIN_ROWS = 4
 PROBE_ROWS = 16
-PROBE_CALL = 256
+PROBE_CALL = 64  # a float32 kernel switch shows on nearly every row: 64 rows find it
 LARGE = 1 << 24  # weights of more elements (the LM head) are probed on fewer row blocks: they are slow to call
-OFFSETS_LARGE = 8
+OFFSETS_LARGE = 4
 
 _probed: dict[tuple, tuple[int, ...]] = {}
 
