@@ -111,21 +111,24 @@ def attend(
 # in aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) walks the keys in blocks of KEY_BLOCK, so
 # the length of the last block depends on the prompt's: a prompt of 3,041 tokens against one of
 # 3,043 moved SmolLM2's bfloat16 logits by 0.4. It takes the queries in blocks of 32, 64 or 256
-# (by their count), and a block of a single row goes to another kernel. On hosts with AMX, in
-# bfloat16, it switches to packed brgemm at MIN_QUERIES queries. So: keys padded with zero keys
-# (masked) to a whole number of blocks, never a last block of one query row, and where the kernel
-# packs (`model.sdpa_packs`) at least MIN_QUERIES query rows. A prefix-cache hit, which computes
+# (by their count), and a small last block goes to another kernel. On hosts with AMX, in bfloat16,
+# it switches to packed brgemm at MIN_QUERIES queries. So: keys padded with zero keys (masked) to a
+# whole number of blocks, queries with zero rows to a whole number of QUERY_BLOCK, and where the
+# kernel packs (`model.sdpa_packs`) at least MIN_QUERIES query rows. A prefix-cache hit, which computes
 # only the new rows over cached keys that another prompt computed, then gets the numbers of a
 # prefill from scratch, whatever each prompt's length.
 KEY_BLOCK = 512
+QUERY_BLOCK = 32  # the smallest of the kernel's query blocks; the others (64, 256) are multiples
 MIN_QUERIES = 64
 
 
 def _query_rows(model: EngineModel, m: int) -> int:
-    """The query rows a call of m computed rows is padded to."""
+    """The query rows a call of m computed rows is padded to: a whole number of the kernel's
+    smallest query block, so that no block is a small one (its product with the keys takes another
+    BLAS kernel, as small projections do: a last block of 2 rows parted 3 of 22 answers of
+    `bench prefix` from a prefill from scratch)."""
     rows = max(m, MIN_QUERIES) if model.sdpa_packs else m
-    split = 256 if rows >= 768 else 64 if rows >= 192 else 32  # the kernel's query blocks
-    return rows + 1 if rows % split == 1 else rows
+    return -(-rows // QUERY_BLOCK) * QUERY_BLOCK
 
 
 def prompt_attention(
