@@ -141,19 +141,14 @@ class Dispatcher:
                     cache_salt=prepared.cache_salt,
                     token_depths=prepared.token_depths,
                 )
-                answer: list[int] = []  # the first choice's tokens: with the prompt, the next turn's start
                 async with aclosing(attempt_events) as events:
                     async for event in events:
                         if isinstance(event, Prefilled):
                             self.metrics.kv_bytes.inc(event.reply.bytes_sent)
                             self._prefill_cache_figures(decision, event.reply)
                             continue
-                        if isinstance(event, Tokens) and event.index == 0:
-                            if event.stats is not None and not emitted:
-                                self._prefilled(decision, keys, event.stats)
-                            answer += event.ids
-                        elif isinstance(event, Finished) and event.index == 0:
-                            in_background(self._finished, decision, prepared, answer)
+                        if isinstance(event, Tokens) and event.index == 0 and event.stats is not None and not emitted:
+                            self._prefilled(decision, keys, event.stats)
                         emitted = emitted or isinstance(event, Tokens)
                         yield event
                 return
@@ -181,11 +176,6 @@ class Dispatcher:
         # The decode worker caches a transferred prompt when it claims it, right after this.
         holders = [decision.decode] if decision.prefill is None else [decision.prefill, decision.decode]
         in_background(self._record, keys, holders)
-
-    def _finished(self, decision: Decision, prepared: Prepared, answer: list[int]) -> None:
-        """The decode worker now holds the prompt and the answer: a next turn starts with both."""
-        if self.prefixes is not None and answer:
-            self._record(self.keys(prepared, prepared.ids + answer), [decision.decode])
 
     def _record(self, keys: list[bytes], holders) -> None:
         try:
