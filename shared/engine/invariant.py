@@ -16,7 +16,8 @@ So the engine pads a call's rows with zero rows (`padded` in layer.py) to at lea
 which every kind of call tried had a kernel of its own, and then up to the smallest count that
 agrees. This module finds those counts once per process, on the model's own projection weights: for
 each count from MIN_ROWS to PROBE_ROWS, the rows of a PROBE_CALL-row call computed in calls of that
-count (0.1 to 2 s per model and dtype; Gemma 3's LM head of 262k rows is the most). Counts of
+count (0.07 s for a tiny model, 0.3-0.5 s for SmolLM2, 1.8-3.1 s for Gemma 3, whose LM head has
+262k rows). Counts of
 PROBE_ROWS and more are taken as large calls (every count up to 3,100 agreed on the host above).
 The cost is what the padded rows compute, and only small calls pay it: `lazyserve bench decode`
 measures it (docs/results.md).

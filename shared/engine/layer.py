@@ -147,9 +147,10 @@ def prompt_attention(
     n, m = keys.shape[2], q.shape[2]
     padded_keys = -(-n // KEY_BLOCK) * KEY_BLOCK
     rows = _query_rows(model, m)
-    q = F.pad(q, (0, 0, 0, rows - m))  # zero queries after the real ones: their outputs are dropped
-    keys = F.pad(keys, (0, 0, 0, padded_keys - n))  # after every real row's position: masked
-    values = F.pad(values, (0, 0, 0, padded_keys - n))
+    if rows > m:  # zero queries after the real ones: their outputs are dropped
+        q = F.pad(q, (0, 0, 0, rows - m))
+    if padded_keys > n:  # zero keys after every real row's position: masked
+        keys, values = F.pad(keys, (0, 0, 0, padded_keys - n)), F.pad(values, (0, 0, 0, padded_keys - n))
     window = model.spec.window_at(index)
     if start == 0 and window is None:  # causal from the first key: is_causal, top-left aligned, says it all
         return attend(model, q, keys, values, is_causal=True)[:, :, :m]

@@ -9,8 +9,8 @@ with sliding-window layers) and on SmolLM2:
   pruning off and on, also when the hit leaves only a few tokens to compute;
 - each sequence of a batch of 16 decodes as it does alone;
 - a cache sent by a prefill worker decodes as the receiver's own prefill does.
-What makes them hold: prefill attention in tiles of fixed positions and padded small projections
-(shared/engine/layer.py, shared/engine/invariant.py).
+What makes them hold: prefill attention with its keys and queries padded to whole blocks of the
+CPU kernel, and padded small projections (shared/engine/layer.py, shared/engine/invariant.py).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _assert_rows_equal(mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> 
 
 
 # (cached document, first prompt, second prompt): whole blocks of 16 cached, prompts of lengths
-# that end mid-tile; tiny models span four tiles, SmolLM2 twenty-two.
+# that end inside the kernel's blocks of 512 keys and of 32 queries.
 SIZES = {"tiny": (160, 211, 229), "SmolLM2-135M-Instruct": (1056, 1387, 1413)}
 
 
