@@ -3,8 +3,13 @@
 Every run goes through the decode worker's own Scheduler on the same prefilled caches (long
 prompts of real text, one per sequence, prefilled once per configuration and copied for each
 run): `batched` steps every sequence in one `decode_batch`, `interleaved` has a batch size of one,
-so sequences take turns exactly as the decode worker did before batching. Both modes run side by
-side in each round after a warm-up; the table gives medians and the batched/interleaved ratio.
+so sequences take turns exactly as the decode worker did before batching. `direct` is the batched
+steps called in a plain loop on the same thread, without the Scheduler: what a script gets, and
+what the served decode should come close to (batched / direct). The modes run side by side in
+each round after a warm-up; the table gives medians and the ratios.
+
+As in a decode worker, one ComputeThread loads the model and runs every torch op (the prefills,
+the copies, the Scheduler's rounds, the direct loop); the main thread only hands it work.
 
 Also times the one attention choice batching had to make (shared/engine/decode.py): one SDPA call
 per sequence over its own keys, against one call over keys padded to the longest sequence.
@@ -50,16 +55,42 @@ def _prefilled(model, prompts, config, tokens):
     return out
 
 
-def _run(model, prefilled, config, batch_size: int) -> tuple[float, int]:
-    """Decode every sequence to the end through a Scheduler; aggregate tokens/s and revived token-layers."""
-    from services.decode.scheduler import TOKEN, Scheduler, Sequence
+def _decodings(prefilled, config) -> list:
+    """Fresh copies of the prefilled caches, each with its decode loop (on the compute thread)."""
     from shared.engine import Decoding, Generation
 
-    scheduler = Scheduler(model, max_sequences=len(prefilled), max_batch_size=batch_size, max_unsent=1 << 20)
+    return [Decoding(copy.deepcopy(cache), config, params, Generation()) for cache, _, params in prefilled]
+
+
+def _direct(model, prefilled, config) -> tuple[float, int]:
+    """The batched steps in a plain loop, on the calling thread: aggregate tokens/s and revived token-layers."""
+    from shared.engine import decode_batch
+
+    decodings = _decodings(prefilled, config)
+    for decoding, (_, first, _) in zip(decodings, prefilled):
+        decoding.accept(first)  # sampled by the prefill, as a transfer's first token: not counted
+    start, tokens = time.perf_counter(), 0
+    while running := [d for d in decodings if not d.done]:
+        logits = decode_batch(model, [(d.cache, d.next_token, d.config) for d in running])
+        for decoding, row in zip(running, logits):
+            decoding.advance(row)
+            tokens += 1
+    rate = tokens / (time.perf_counter() - start)
+    for decoding in decodings:
+        decoding.close(model.spec.num_layers)
+    return rate, sum(d.generation.stats.revived_token_layers for d in decodings)
+
+
+def _run(compute, model, prefilled, config, batch_size: int) -> tuple[float, int]:
+    """Decode every sequence to the end through a Scheduler; aggregate tokens/s and revived token-layers."""
+    from services.decode.scheduler import TOKEN, Scheduler, Sequence
+
+    scheduler = Scheduler(
+        model, max_sequences=len(prefilled), max_batch_size=batch_size, max_unsent=1 << 20, compute=compute
+    )
     try:
         sequences = []
-        for cache, first, params in prefilled:
-            decoding = Decoding(copy.deepcopy(cache), config, params, Generation())
+        for decoding, (_, first, _) in zip(compute.call(_decodings, prefilled, config), prefilled):
             sequences += Sequence.resumed("bench", [decoding], [first])
         start = time.perf_counter()
         for sequence in sequences:
@@ -75,21 +106,24 @@ def _run(model, prefilled, config, batch_size: int) -> tuple[float, int]:
     return tokens / elapsed, sum(s.generation.stats.revived_token_layers for s in sequences)
 
 
-def bench_throughput(model, prompts, configs: dict, concurrency: list[int], tokens: int, repeats: int):
+def bench_throughput(compute, model, prompts, configs: dict, concurrency: list[int], tokens: int, repeats: int):
     rows = []
     for name, config in configs.items():
-        prefilled = _prefilled(model, prompts[: max(concurrency)], config, tokens)
+        prefilled = compute.call(_prefilled, model, prompts[: max(concurrency)], config, tokens)
         for count in concurrency:
             subset = prefilled[:count]
             modes = {"batched": count, "interleaved": 1}
-            rates = {mode: [] for mode in modes}
+            rates = {mode: [] for mode in [*modes, "direct"]}
             revived = {}
             for batch_size in modes.values():  # warm-up
-                _run(model, subset[:1], config, batch_size)
+                _run(compute, model, subset[:1], config, batch_size)
+            compute.call(_direct, model, subset[:1], config)
             for _ in range(repeats):
                 for mode, batch_size in modes.items():
-                    rate, revived[mode] = _run(model, subset, config, batch_size)
+                    rate, revived[mode] = _run(compute, model, subset, config, batch_size)
                     rates[mode].append(rate)
+                rate, revived["direct"] = compute.call(_direct, model, subset, config)
+                rates["direct"].append(rate)
             medians = {mode: statistics.median(r) for mode, r in rates.items()}
             rows.append(
                 {
@@ -99,11 +133,13 @@ def bench_throughput(model, prompts, configs: dict, concurrency: list[int], toke
                     "tokens_per_s": medians,
                     "samples_tokens_per_s": rates,
                     "batched_over_interleaved": medians["batched"] / medians["interleaved"],
+                    "batched_over_direct": medians["batched"] / medians["direct"],
                     "revived_token_layers": revived,
                 }
             )
             print(
-                f"{name} x{count}: batched {medians['batched']:.1f} tok/s, interleaved {medians['interleaved']:.1f}",
+                f"{name} x{count}: batched {medians['batched']:.1f} tok/s, interleaved {medians['interleaved']:.1f}, "
+                f"direct {medians['direct']:.1f}",
                 flush=True,
             )
     return rows
@@ -165,17 +201,16 @@ def bench_attention(model, lengths: list[int], batch_sizes: list[int], repeats: 
     return out
 
 
-def bench_dtype(args, dtype: str) -> dict:
+def bench_dtype(args, dtype: str, compute) -> dict:
     from shared.models.weights import load_model
 
-    loaded = load_model(args.model, dtype=dtype)
+    loaded = compute.call(load_model, args.model, dtype=dtype)
     model = loaded.engine
     configs = pruning_configs(args.presets, args.schedule, model.spec)
     prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
-    throughput = bench_throughput(model, prompts, configs, args.concurrency, args.tokens, args.repeats)
-    attention = bench_attention(
-        model, [args.prompt // 2, args.prompt, args.prompt * 3 // 2], args.concurrency, args.repeats * 5
-    )
+    throughput = bench_throughput(compute, model, prompts, configs, args.concurrency, args.tokens, args.repeats)
+    lengths = [args.prompt // 2, args.prompt, args.prompt * 3 // 2]
+    attention = compute.call(bench_attention, model, lengths, args.concurrency, args.repeats * 5)
     return {
         "model": loaded.name,
         "dtype": loaded.dtype_choice.dtype,
@@ -196,6 +231,8 @@ def _print_dtype(run: dict) -> None:
                 "batched tok/s",
                 "interleaved tok/s",
                 "batched / interleaved",
+                "direct tok/s",
+                "batched / direct",
                 "revived (batched)",
             ],
             [
@@ -205,6 +242,8 @@ def _print_dtype(run: dict) -> None:
                     f"{r['tokens_per_s']['batched']:.1f}",
                     f"{r['tokens_per_s']['interleaved']:.1f}",
                     f"{r['batched_over_interleaved']:.2f}x",
+                    f"{r['tokens_per_s']['direct']:.1f}",
+                    f"{r['batched_over_direct']:.2f}x",
                     r["revived_token_layers"]["batched"],
                 ]
                 for r in run["throughput"]
@@ -252,8 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out/bench_decode.json")
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    runs = [bench_dtype(args, dtype) for dtype in args.dtypes]
+    from shared.compute import ComputeThread
+
+    compute = ComputeThread("bench-compute", threads=args.threads)
+    runs = [bench_dtype(args, dtype, compute) for dtype in args.dtypes]
+    compute.close()
     for run in runs:
         _print_dtype(run)
     across = across_dtypes(runs)

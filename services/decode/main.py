@@ -6,7 +6,8 @@ import logging
 
 from services.decode.server import start_decode_worker
 from services.decode.settings import DecodeSettings
-from shared.models.weights import load_model
+from shared.compute import ComputeThread
+from shared.models.weights import load_engine
 from shared.net.lifecycle import wait_for_signal
 from shared.net.registry import Heartbeat, WorkerInfo
 from shared.net.telemetry import setup_logging, setup_tracing, shutdown_tracing
@@ -17,11 +18,10 @@ log = logging.getLogger(__name__)
 def serve(settings: DecodeSettings) -> int:
     setup_logging()
     setup_tracing("lazyserve-decode")
-    engine = settings.engine
-    engine.apply_threads()
-    loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
-    loaded.engine.set_batch_invariant(engine.batch_invariant)
-    worker = start_decode_worker(settings, loaded)
+    # The thread that loads the model is the one that runs it; this one waits for a signal.
+    compute = ComputeThread("decode-engine")
+    loaded = load_engine(settings.engine, compute)
+    worker = start_decode_worker(settings, loaded, compute)
     # One line on stdout that scripts (and tests) wait for; the port may have been picked by the OS.
     heartbeat = None
     if settings.redis_url:
@@ -39,5 +39,6 @@ def serve(settings: DecodeSettings) -> int:
     if heartbeat is not None:
         heartbeat.stop()
     worker.stop()
+    compute.close()
     shutdown_tracing()
     return 0

@@ -1,6 +1,8 @@
-"""The decode worker's engine thread: continuous batching of every running sequence.
+"""The decode worker's engine loop: continuous batching of every running sequence.
 
-Only this thread touches the model. Each round has nano-vllm's three parts:
+Its rounds run on the worker's ComputeThread (shared.compute), the only thread of the
+process that touches the model; other threads hand it work with `call`. Each round has
+nano-vllm's three parts:
 - schedule: the sequences that can step (prompt in the cache, not finished, not cancelled, their
   reader not `max_unsent` tokens behind), at most `max_batch_size`, those that waited longest
   first; a new sequence joins at the next round, a finished or cancelled one leaves at once;
@@ -25,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from shared.compute import ComputeThread
 from shared.engine import (
     Decoding,
     EngineModel,
@@ -132,6 +135,7 @@ class Scheduler:
         max_unsent: int = MAX_UNSENT_TOKENS,
         grammars: Grammars | None = None,
         prefix: PrefixReuse | None = None,
+        compute: ComputeThread | None = None,
     ):
         self.model, self.grammars = model, grammars  # grammars: for structured output
         # The prefix cache: a local prefill leaves its prompt there, a finished sequence its
@@ -142,19 +146,27 @@ class Scheduler:
         self.revived_token_layers = 0  # over finished sequences
         self.steps = 0  # batched decode steps run
         self._active: list[Sequence] = []  # in turn order: the front waited longest
-        self._lock = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # _active: changed on the compute thread, read by Status
+        self._closed = False
+        # The thread that loaded the model, or one of its own (tests hand it a model loaded elsewhere).
+        self._owns_compute = compute is None
+        self.compute = compute or ComputeThread("decode-engine")
+        self.compute.drive(self._tick)
+
+    def call(self, fn, /, *args, **kwargs):
+        """Run `fn` on the engine's thread, between rounds (a request's setup, a transfer's frames)."""
+        return self.compute.call(fn, *args, **kwargs)
 
     def submit(self, *sequences: Sequence) -> None:
         """Take a request's sequences (its choices), all or none."""
+        self.compute.call(self._admit, sequences)
+
+    def _admit(self, sequences: tuple[Sequence, ...]) -> None:
         with self._lock:
             held = sum(sequence.slots for sequence in self._active)
             if held + sum(sequence.slots for sequence in sequences) > self.max_sequences:
                 raise ResourceExhausted(f"this worker is generating {self.max_sequences} sequences already")
             self._active.extend(sequences)
-            self._lock.notify()
 
     @property
     def num_active(self) -> int:
@@ -167,38 +179,47 @@ class Scheduler:
         return sum(sequence.held_bytes for sequence in active)
 
     def close(self) -> None:
+        """Fail what is running and stop; a second call does nothing."""
         with self._lock:
-            self._stop = True
-            self._lock.notify()
-        self._thread.join()
+            closed, self._closed = self._closed, True
+        if closed:
+            return
+        self.compute.call(self._shutdown)
+        if self._owns_compute:
+            self.compute.close()
 
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._active and not self._stop:
-                    self._lock.wait()
-                if self._stop:
-                    for sequence in self._active:
-                        sequence.outbox.put((FAILED, sequence.index, "the decode worker is shutting down"))
-                    return
-                active = list(self._active)
-            try:
-                self._round(active)
-            except Exception:  # a bug in one round must not stop the engine thread
-                log.exception("decode round failed")
-                for sequence in active:
-                    self._retire(sequence, FAILED, "generation failed: internal error")
+    def _shutdown(self) -> None:
+        self.compute.undrive(self._tick)
+        with self._lock:
+            active, self._active = self._active, []
+        for sequence in active:
+            sequence.outbox.put((FAILED, sequence.index, "the decode worker is shutting down"))
+
+    def _tick(self) -> float | None:
+        """One round, as the compute thread's driver: how long it may wait for a job before the next."""
+        with self._lock:
+            active = list(self._active)
+        if not active:
+            return None
+        try:
+            return self._round(active)
+        except Exception:  # a bug in one round must not stop the engine thread
+            log.exception("decode round failed")
+            for sequence in active:
+                self._retire(sequence, FAILED, "generation failed: internal error")
+            return 0
 
     # ------------------------------------------------------------------ one round
-    def _round(self, active: list[Sequence]) -> None:
+    def _round(self, active: list[Sequence]) -> float:
         batch, prefilling = self._schedule(active)
         if prefilling is not None:
             budget = None if not batch else max(self.max_batch_tokens - len(batch), 0)
             self._advance_prefill(prefilling, budget)
-        if batch:
-            self._decode(batch)
-        elif prefilling is None:
-            time.sleep(0.005)  # every reader is behind: wait for one to take its tokens
+        if batch or prefilling is not None:
+            if batch:
+                self._decode(batch)
+            return 0
+        return 0.005  # every reader is behind: wait for one to take its tokens
 
     def _schedule(self, active: list[Sequence]) -> tuple[list[Sequence], Sequence | None]:
         batch, prefilling = [], None

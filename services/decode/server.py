@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import queue
 import uuid
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
@@ -22,13 +24,14 @@ from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.decode.scheduler import FAILED, TOKEN, Scheduler, Sequence
 from services.decode.settings import DecodeSettings
 from services.decode.transfers import TransferTable
+from shared.compute import ComputeThread
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
 from shared.engine import PrefillRun, PrefixReuse, PruneConfig, Sampled, Sampler, SamplingParams, choice_decodings
 from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
 from shared.net.telemetry import extract_context, tracer
-from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb
+from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb, verify_checksum
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ SERVICE = "lazyserve.v1.DecodeService"
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
-    def __init__(self, loaded: LoadedModel, settings: DecodeSettings):
+    def __init__(self, loaded: LoadedModel, settings: DecodeSettings, compute: ComputeThread | None = None):
         self.loaded, self.model = loaded, loaded.engine
         self.transfers = TransferTable(settings.max_transfers, settings.transfer_timeout_s, settings.claim_timeout_s)
         # None: --no-enable-prefix-caching.
@@ -48,9 +51,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             settings.max_batch_tokens,
             grammars=loaded.grammars,
             prefix=self.prefix,
+            compute=compute,
         )
         # For a prompt that names no pruning (the router always names one).
         self.default_pruning = loaded.engine.spec.preset(settings.engine.pruning_preset)
+        # OpenMP keeps the count per thread: the engine thread's is the one that computes.
+        self.torch_threads = self.scheduler.call(torch.get_num_threads)
 
     # ------------------------------------------------------------------ PushKV
     def PushKV(self, request_iterator, context):
@@ -68,7 +74,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         try:
             if first is None or first.WhichOneof("kind") != "header":
                 raise FrameError("a transfer must start with its header")
-            assembler.header(first.header)  # another model, dtype or shape: refused here
+            # Another model, dtype or shape: refused here. The cache it allocates is the engine's work.
+            self.scheduler.call(assembler.header, first.header)
         except FrameError:
             self.transfers.count_refused()
             raise
@@ -76,28 +83,33 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         # while this handler waits for a stalled sender's next message.
         transfer = self.transfers.begin(first.header.transfer_id, assembler)
         del assembler
+        frames = _FrameJobs(self.scheduler)
         try:
             for message in request_iterator:
-                reply = self._receive(transfer, message)
+                reply = self._receive(transfer, message, frames)
                 if reply is not None:
                     return reply
             self.transfers.check_alive(transfer)
             raise FrameError(f"transfer {transfer.transfer_id!r} ended without its end message")
         except BaseException:
             # Refused, expired or cut off: nothing of it stays.
+            frames.cancel()
             self.transfers.fail(transfer)
             raise
 
-    def _receive(self, transfer, message: pb.TransferMessage) -> pb.PushKVReply | None:
+    def _receive(self, transfer, message: pb.TransferMessage, frames: _FrameJobs) -> pb.PushKVReply | None:
         assembler = transfer.assembler  # taken before the check: the reaper may drop it any time
         self.transfers.check_alive(transfer)
+        frames.check()  # a frame refused on the engine thread ends the stream here
         kind = message.WhichOneof("kind")
         if kind == "frame":
-            assembler.frame(message.frame)
+            verify_checksum(message.frame)  # here, off the engine thread: it reads every byte
+            frames.add(assembler.frame, message.frame, True)
             transfer.bytes_received += sum(payload_bytes(message))
             return None
         if kind == "end":
-            self.transfers.complete(transfer, assembler.end(message.end))
+            frames.wait()
+            self.transfers.complete(transfer, self.scheduler.call(assembler.end, message.end))
             return pb.PushKVReply(
                 transfer_id=transfer.transfer_id,
                 num_frames=assembler.num_frames,
@@ -127,11 +139,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             span.end()
 
     def _generate(self, request, context, started: list):
-        sequences = self._sequences(request)
+        # The request's setup (a claimed cache's choices, a prefix lookup) is the engine's work.
+        sequences = self.scheduler.call(self._start, request)
         started.extend(sequences)
         head = sequences[0]
         context.add_callback(head.cancelled.set)  # runs when the call ends, cancelled or not
-        self.scheduler.submit(*sequences)
         remaining, sent = head.width, set()  # choices not finished; choices that sent a response
         while remaining:
             items = [head.outbox.get()]
@@ -161,6 +173,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     response.stats.CopyFrom(stats_to_pb(head.family[index].generation.stats))
                     sent.add(index)
                 yield response
+
+    def _start(self, request: pb.GenerateRequest) -> list[Sequence]:
+        sequences = self._sequences(request)
+        self.scheduler.submit(*sequences)
+        return sequences
 
     def _sequences(self, request: pb.GenerateRequest) -> list[Sequence]:
         """The request's sequences: one per choice for a transfer; one (whose other choices join
@@ -231,7 +248,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             revived_token_layers=self.scheduler.revived_token_layers,
             dtype=self.model.dtype_name,
             device=str(self.model.device),
-            torch_threads=torch.get_num_threads(),
+            torch_threads=self.torch_threads,
             **self._prefix_status(),
         )
 
@@ -250,6 +267,38 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def close(self) -> None:
         self.scheduler.close()
         self.transfers.close()
+
+
+class _FrameJobs:
+    """A transfer's frames on their way into its cache on the engine thread. The handler does not
+    wait for each: a frame would then wait for a whole decode round, and a transfer of 30 layers for
+    30 of them. Queued frames are assembled together between two rounds, in order; at most
+    `MAX_QUEUED` wait, so a fast sender cannot fill memory faster than the engine thread takes it."""
+
+    MAX_QUEUED = 64
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.pending: deque[Future] = deque()
+
+    def add(self, fn, *args) -> None:
+        if len(self.pending) >= self.MAX_QUEUED:
+            self.pending.popleft().result()
+        self.pending.append(self.scheduler.compute.submit(fn, *args))
+
+    def check(self) -> None:
+        """Raise the first refused frame's error, once it is known."""
+        while self.pending and self.pending[0].done():
+            self.pending.popleft().result()
+
+    def wait(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+
+    def cancel(self) -> None:
+        for future in self.pending:
+            future.cancel()
+        self.pending.clear()
 
 
 def _response(tokens: list[Sampled], index: int) -> pb.GenerateResponse:
@@ -272,8 +321,11 @@ class DecodeWorker:
         self.servicer.close()
 
 
-def start_decode_worker(settings: DecodeSettings, loaded: LoadedModel) -> DecodeWorker:
-    servicer = DecodeServicer(loaded, settings)
+def start_decode_worker(
+    settings: DecodeSettings, loaded: LoadedModel, compute: ComputeThread | None = None
+) -> DecodeWorker:
+    """compute: the thread that loaded `loaded` (None: the scheduler starts a thread of its own)."""
+    servicer = DecodeServicer(loaded, settings, compute)
     auth = settings.internal_auth()
     server, health = make_server(settings.grpc_workers, max_concurrent_rpcs=settings.grpc_workers - 2, auth=auth)
     pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 class PrefillActor:
     def __init__(self, settings_json: str):
         from services.prefill.worker import start_prefill_worker
-        from shared.models.weights import load_model
+        from shared.models.weights import load_engine
         from shared.net.telemetry import setup_logging, setup_tracing
 
         setup_logging()
@@ -32,19 +32,19 @@ class PrefillActor:
             set_niceness(settings.niceness)
         # Ray sets OMP_NUM_THREADS to the actor's CPUs (1 by default), which would leave a long
         # prompt's prefill on one core: the actors of this worker share the node's cores instead.
-        import torch
+        from shared.compute import ComputeThread
+        from shared.net.settings import available_cores
 
-        from shared.net.settings import available_cores, tune_malloc
-
-        torch.set_num_threads(engine.threads or max(1, available_cores() // settings.num_actors))
-        tune_malloc()
-        log.info("prefill actor: %d torch threads", torch.get_num_threads())
-        loaded = load_model(engine.model, device=engine.device, dtype=engine.dtype, cache_dir=engine.cache_dir)
-        loaded.engine.set_batch_invariant(engine.batch_invariant)
+        threads = engine.threads or max(1, available_cores() // settings.num_actors)
+        log.info("prefill actor: %d torch threads", threads)
+        # Ray calls the actor's methods on its main thread and gRPC's handlers run on their own:
+        # neither computes. The thread that loads the model runs every prefill.
+        self.compute = ComputeThread("prefill-engine")
+        loaded = load_engine(engine.model_copy(update={"threads": threads}), self.compute)
         if settings.host in ("0.0.0.0", "::") and settings.advertise_host is None:  # noqa: S104 -- a check, not a bind
             # Reachable from other nodes at this node's address, wherever Ray placed the actor.
             settings = settings.model_copy(update={"advertise_host": ray.util.get_node_ip_address()})
-        self.worker = start_prefill_worker(settings, loaded)
+        self.worker = start_prefill_worker(settings, loaded, self.compute)
         self.heartbeat = None
         if settings.redis_url:
             from shared.net.registry import Heartbeat, WorkerInfo
@@ -69,6 +69,18 @@ class PrefillActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def threads(self) -> dict:
+        """Which threads ran engine work (shared.compute): the compute thread alone, never Ray's."""
+        import threading
+
+        from shared.compute import computing_threads
+
+        return {
+            "compute": self.compute.ident,
+            "ray": threading.get_ident(),
+            "computing": sorted(computing_threads()),
+        }
 
     def counters(self) -> dict:
         from dataclasses import asdict

@@ -20,6 +20,7 @@ from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from services.prefill.sender import KVSender, SenderFactory
 from services.prefill.settings import PrefillSettings
+from shared.compute import ComputeThread
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
 from shared.engine import PrefixReuse, Sampler, Stats, fill_prefill_stats, prefill
 from shared.engine.grammar import GrammarError
@@ -41,8 +42,17 @@ class PrefillCounters:
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
-    def __init__(self, loaded: LoadedModel, settings: PrefillSettings, sender: SenderFactory = KVSender):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        settings: PrefillSettings,
+        sender: SenderFactory = KVSender,
+        compute: ComputeThread | None = None,
+    ):
         self.loaded, self.model, self.settings = loaded, loaded.engine, settings
+        # The thread that loaded the model, or one of its own (tests hand it a model loaded elsewhere).
+        self._owns_compute = compute is None
+        self.compute = compute or ComputeThread("prefill-engine")
         self.sender = sender  # how a transfer reaches its decode worker
         self.auth = settings.internal_auth()  # its channels to decode workers use the same credentials
         self.counters = PrefillCounters()
@@ -51,6 +61,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self._slots = threading.Semaphore(settings.max_concurrent_prefills)
         # For a request that names no pruning (the router always names one).
         self.default_pruning = self.model.spec.preset(settings.engine.pruning_preset)
+
+    def close(self) -> None:
+        if self._owns_compute:
+            self.compute.close()
 
     def Prefill(self, request: pb.PrefillRequest, context):
         spec = self.model.spec
@@ -105,24 +119,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.counters.layers_computed += 1
 
         try:
-            # Each choice's sampler first: a grammar that does not compile is refused before any work.
-            grammars = self.loaded.grammars
-            try:
-                samplers = [Sampler(c, prompt_ids=request.prompt_ids, grammars=grammars) for c in params.choices()]
-            except GrammarError as error:
-                raise InvalidArgument(f"sampling.grammar: {error}") from None
-            start = time.perf_counter()
-            if self.prefix is None:
-                cache, logits = prefill(self.model, ids, config, on_layer=on_layer)
-            else:
-                run = self.prefix.prefill(ids, config, request.cache_salt, on_layer=on_layer)
-                cache, logits = run.cache, run.logits
-                del run
-            stats = Stats()
-            fill_prefill_stats(stats, cache, time.perf_counter() - start)
-            del cache  # the decode worker gets its own copy; this one is not needed past here
-            # Each choice's first token from the one prefill, with its own generator.
-            firsts = [sampler.choose(logits) for sampler in samplers]
+            # On the compute thread; this handler waits, then waits for the decode worker's reply.
+            samplers, firsts, stats = self.compute.call(self._compute, request, ids, config, params, on_layer)
             waited = time.perf_counter()
             reply = sender.finish(
                 lambda num_frames: end_message(
@@ -163,6 +161,28 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             prefix_evictions=0 if self.prefix is None else self.prefix.cache.evictions,
         )
 
+    def _compute(self, request, ids: torch.Tensor, config, params, on_layer) -> tuple[list[Sampler], list, Stats]:
+        """The engine's part of a request: each choice's sampler, the prefill (its frames go to
+        `on_layer` as it runs), its stats, and each choice's first token."""
+        # Each choice's sampler first: a grammar that does not compile is refused before any work.
+        grammars = self.loaded.grammars
+        try:
+            samplers = [Sampler(c, prompt_ids=request.prompt_ids, grammars=grammars) for c in params.choices()]
+        except GrammarError as error:
+            raise InvalidArgument(f"sampling.grammar: {error}") from None
+        start = time.perf_counter()
+        if self.prefix is None:
+            cache, logits = prefill(self.model, ids, config, on_layer=on_layer)
+        else:
+            run = self.prefix.prefill(ids, config, request.cache_salt, on_layer=on_layer)
+            cache, logits = run.cache, run.logits
+            del run
+        stats = Stats()
+        fill_prefill_stats(stats, cache, time.perf_counter() - start)
+        del cache  # the decode worker gets its own copy; this one is not needed past here
+        # Each choice's first token from the one prefill, with its own generator.
+        return samplers, [sampler.choose(logits) for sampler in samplers], stats
+
 
 @dataclass
 class PrefillWorker:
@@ -172,10 +192,14 @@ class PrefillWorker:
 
     def stop(self, grace: float | None = 1.0) -> None:
         self.server.stop(grace).wait()
+        self.servicer.close()
 
 
-def start_prefill_worker(settings: PrefillSettings, loaded: LoadedModel) -> PrefillWorker:
-    servicer = PrefillServicer(loaded, settings)
+def start_prefill_worker(
+    settings: PrefillSettings, loaded: LoadedModel, compute: ComputeThread | None = None
+) -> PrefillWorker:
+    """compute: the thread that loaded `loaded` (None: a thread of its own runs the engine)."""
+    servicer = PrefillServicer(loaded, settings, compute=compute)
     server, health = make_server(settings.grpc_workers, auth=servicer.auth)
     pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     address = start_serving(

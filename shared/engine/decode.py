@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shared.compute import require_compute_thread
 from shared.engine.cache import LazyCache, QueryWindow
 from shared.engine.layer import (
     attend,
@@ -203,6 +204,7 @@ def decode_batch(model: EngineModel, batch: Sequence[tuple[LazyCache, int, Prune
     Returns the logits [len(batch), vocab] for each sequence's next token, in batch order. The
     caches must be distinct: a sequence appears at most once per step.
     """
+    require_compute_thread("a decode step")
     if not batch:
         raise ValueError("an empty batch")
     if len({id(cache) for cache, _, _ in batch}) != len(batch):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.compute import require_compute_thread
 from shared.contract import PruneConfig, SamplingParams, Stats
 from shared.engine.cache import LazyCache
 from shared.engine.decode import decode_step
@@ -152,6 +153,7 @@ def choice_decodings(
     """One Decoding per choice (params.n) from one prefilled cache: the first keeps `cache`, the
     others get copies taken before any decodes; each has its own sampler (seeded seed + i; with
     `states`, a transfer's generator states) and a Generation starting from the prefill's figures."""
+    require_compute_thread("a request's choices")
     choices = params.choices()
     caches = [cache] + [cache.fork() for _ in choices[1:]]
     decodings = []

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.compute import require_compute_thread
 from shared.engine.cache import BoundaryStates, LazyCache, QueryWindow
 from shared.engine.layer import (
     attend,
@@ -76,6 +77,7 @@ class PrefillRun:
         prefix: PrefixHit | None = None,
         keep_boundary: bool = False,
     ):
+        require_compute_thread("a prefill")
         n = ids.shape[0]
         if n < 1:
             raise ValueError("empty prompt")
@@ -121,6 +123,7 @@ class PrefillRun:
     @torch.inference_mode()
     def step(self) -> int:
         """Run the next layer; returns the rows it computed."""
+        require_compute_thread("a prefill")
         if self.done:
             raise RuntimeError("the prefill has finished")
         model, cache, config, index = self.model, self.cache, self.config, self.layer

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from shared.compute import require_compute_thread
 from shared.contract import PruneConfig
 from shared.engine.cache import LazyCache
 from shared.engine.model import EngineModel
@@ -114,6 +115,7 @@ class PrefixReuse:
 
     def _insert(self, cache: LazyCache, keys: list[bytes], layers: int) -> int:
         """Gather only the rows of blocks not held yet (a warm prompt adds a block or two)."""
+        require_compute_thread("caching a prefix")
         first = self.cache.first_missing(keys)
         if first == len(keys):
             self.cache.touch(keys)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from shared.compute import ComputeThread
 from shared.contract import ModelSpec
 from shared.engine.grammar import Grammars
 from shared.engine.model import EngineModel
@@ -78,3 +79,18 @@ def load_model(
     tokenizer = load_tokenizer(source.folder)
     hf = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch_dtype, attn_implementation="sdpa")
     return LoadedModel(source.label, EngineModel(hf.to(device)), tokenizer, choice)
+
+
+def load_engine(settings, compute: ComputeThread | None = None) -> LoadedModel:
+    """The model an EngineSettings names, as a worker runs it: torch's threads and the allocator
+    set (apply_threads), the weights loaded, batch invariance as asked. With `compute`, all of it
+    happens on that thread, the one that will run the engine: loading enters torch's OpenMP pool,
+    and only one thread of a process may (shared.compute says why)."""
+
+    def load() -> LoadedModel:
+        settings.apply_threads()
+        loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir)
+        loaded.engine.set_batch_invariant(settings.batch_invariant)
+        return loaded
+
+    return load() if compute is None else compute.call(load)

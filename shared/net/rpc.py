@@ -14,6 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from shared.compute import mark_io_thread
 from shared.contract.wire import FrameError
 from shared.net.transport import CHANNEL_OPTIONS, NO_AUTH, InternalAuth
 
@@ -157,7 +158,8 @@ def make_server(
     the port's: see start_serving."""
     interceptors = auth.interceptors() + [ErrorInterceptor()]
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
+        # Its threads move bytes: engine work is handed to the process's compute thread.
+        futures.ThreadPoolExecutor(max_workers=max_workers, initializer=mark_io_thread),
         interceptors=interceptors,
         options=CHANNEL_OPTIONS,
         maximum_concurrent_rpcs=max_concurrent_rpcs,

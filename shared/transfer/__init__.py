@@ -12,7 +12,7 @@ from shared.contract.wire import (
     stats_from_pb,
     stats_to_pb,
 )
-from shared.transfer.assembler import Assembled, TransferAssembler
+from shared.transfer.assembler import Assembled, TransferAssembler, verify_checksum
 from shared.transfer.frames import DEFAULT_FRAME_BYTES, end_message, frame_messages, header_message, payload_bytes
 from shared.transfer.tensors import FrameError
 
@@ -31,4 +31,5 @@ __all__ = [
     "sampling_to_pb",
     "stats_from_pb",
     "stats_to_pb",
+    "verify_checksum",
 ]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
+from shared.compute import require_compute_thread
 from shared.contract.pruning import MAX_WINDOW
 from shared.contract.wire import check_token_ids, pruning_from_pb, sampling_from_pb, stats_from_pb
 from shared.engine import LazyCache, ModelSpec, PruneConfig, QueryWindow, SamplingParams, Stats, held_layers
@@ -41,6 +42,13 @@ class Assembled:
     params: SamplingParams
     sampler_states: list[bytes]  # one per choice
     prefill_stats: Stats
+
+
+def verify_checksum(frame: pb.KVFrame) -> None:
+    """A frame's CRC-32C against its payload; FrameError when they differ. It reads every byte and
+    needs no torch, so a receiver checks it on the thread that read the frame."""
+    if frame_checksum(frame) != frame.crc32c:
+        raise FrameError(f"checksum mismatch in a frame of layer {frame.layer}")
 
 
 def _check_positions(positions: torch.Tensor, limit: int, name: str) -> None:
@@ -69,6 +77,7 @@ class TransferAssembler:
         return 0 if self.cache is None else self.cache.held_bytes
 
     def header(self, header: pb.TransferHeader) -> None:
+        require_compute_thread("assembling a transfer")
         if self.transfer_id is not None:
             raise FrameError("a second header in one transfer")
         if not 0 < len(header.transfer_id) <= MAX_TRANSFER_ID:
@@ -91,14 +100,16 @@ class TransferAssembler:
         self.transfer_id = header.transfer_id
         self.cache = LazyCache.empty(spec, n, 0, self.dtype, self.device)
 
-    def frame(self, frame: pb.KVFrame) -> None:
+    def frame(self, frame: pb.KVFrame, checksum_verified: bool = False) -> None:
+        """checksum_verified: the caller ran verify_checksum on this frame already."""
+        require_compute_thread("assembling a transfer")
         cache, spec = self._started(frame.transfer_id), self.spec
         if frame.layer >= spec.num_layers:
             raise FrameError(f"layer {frame.layer} is out of range for a {spec.num_layers}-layer model")
         if frame.layer < self.layer:
             raise FrameError(f"layer {frame.layer} after layer {self.layer}: frames must not go back")
-        if frame_checksum(frame) != frame.crc32c:
-            raise FrameError(f"checksum mismatch in a frame of layer {frame.layer}")
+        if not checksum_verified:
+            verify_checksum(frame)
         while self.layer < frame.layer:
             self._close_layer()
         n, dtype = cache.num_prompt, dtype_name(self.dtype)
@@ -128,6 +139,7 @@ class TransferAssembler:
         self.num_frames += 1
 
     def end(self, end: pb.TransferEnd) -> Assembled:
+        require_compute_thread("assembling a transfer")
         cache, spec = self._started(end.transfer_id), self.spec
         if end.num_frames != self.num_frames:
             raise FrameError(f"end says {end.num_frames} frames; {self.num_frames} arrived")

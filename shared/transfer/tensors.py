@@ -31,12 +31,13 @@ def fill_tensor(target: pb.Tensor, tensor: torch.Tensor) -> None:
     """Write `tensor` into a Tensor field in place. Sub-messages are filled where they live: passing
     a finished pb.Tensor to its parent's constructor would copy the payload once more per level."""
     host = tensor.detach().cpu()
-    if host.dtype == torch.bfloat16:  # numpy has no bfloat16: send its bytes
-        host = host.contiguous().view(torch.uint8)
+    if host.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16, a view of any strides
+        host = host.view(torch.int16)
     target.dtype = dtype_name(tensor.dtype)
     target.shape[:] = tensor.shape
     # numpy's tobytes gathers a strided slice (a token range of a layer's K or V) in C order in one
-    # copy; .contiguous() first would copy twice.
+    # copy; .contiguous() first would copy twice, and on the sender's thread, a torch copy of that
+    # size would enter torch's OpenMP pool, which only the compute thread may (shared.compute).
     target.data = host.numpy().tobytes()
 
 

@@ -96,6 +96,14 @@ def test_disaggregated_tokens_equal_in_process(
         assert stats.revived_token_layers > 0  # decode really revived pruned tokens on this prompt
 
 
+def test_the_actor_computes_only_on_its_compute_thread(actors):
+    """After the tests above served prefills through it: no gRPC handler and not Ray's own thread
+    (which loaded nothing) ever ran engine work, so one OpenMP pool serves every prefill."""
+    threads = ray.get(actors["SmolLM2-135M-Instruct"].threads.remote())
+    assert threads["computing"] == [threads["compute"]]
+    assert threads["compute"] != threads["ray"]
+
+
 def test_prefill_stops_when_the_decode_worker_refuses(actors, smollm2, tiny_decode_process):
     handle = actors["SmolLM2-135M-Instruct"]
     before = ray.get(handle.counters.remote())

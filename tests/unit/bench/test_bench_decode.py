@@ -1,25 +1,33 @@
-"""`lazyserve bench decode` measures what it says: both modes decode every token of every sequence
-through the Scheduler, from the same caches, with the same revivals."""
+"""`lazyserve bench decode` measures what it says: every mode decodes every token of every sequence
+(through the Scheduler, or the direct loop beside it), from the same caches, with the same revivals."""
 
 from bench.decode import bench_attention, bench_throughput
+from shared.compute import ComputeThread
 from shared.engine import OFF, PruneConfig
 
 LAZY = PruneConfig(stages=((1, 0.5), (3, 0.2)))
 
 
-def test_both_modes_decode_the_same_work(tiny_llama):
+def test_every_mode_decodes_the_same_work(tiny_llama):
     import torch
 
     model = tiny_llama.engine
     prompts = [torch.randint(3, 1000, (200,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    rows = bench_throughput(model, prompts, {"off": OFF, "lazy": LAZY}, [1, 3], tokens=4, repeats=1)
+    compute = ComputeThread("bench-test")
+    try:
+        rows = bench_throughput(compute, model, prompts, {"off": OFF, "lazy": LAZY}, [1, 3], tokens=4, repeats=1)
+    finally:
+        compute.close()
     assert [(r["pruning"], r["sequences"]) for r in rows] == [("off", 1), ("off", 3), ("lazy", 1), ("lazy", 3)]
     for row in rows:
+        assert set(row["tokens_per_s"]) == {"batched", "interleaved", "direct"}
         assert all(rate > 0 for rate in row["tokens_per_s"].values())
         revived = row["revived_token_layers"]
-        assert revived["batched"] == revived["interleaved"]
+        assert revived["batched"] == revived["interleaved"] == revived["direct"]
         if row["pruning"] == "off":
             assert revived["batched"] == 0
+        elif row["sequences"] == 3:
+            assert revived["batched"] > 0
 
 
 def test_attention_comparison_covers_every_batch_size(tiny_llama):
