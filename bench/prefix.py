@@ -194,7 +194,7 @@ def in_process(args) -> dict:
     import torch
 
     from bench.common import long_text_ids
-    from shared.engine import PrefixReuse, prefill
+    from shared.engine import PrefixReuse, prefill, run_prefill
     from shared.models.weights import load_model
     from shared.net.settings import tune_malloc
 
@@ -211,9 +211,9 @@ def in_process(args) -> dict:
         cold_logits = prefill(model, prompt, config)[1]
         cold = time.perf_counter() - start
         reuse = PrefixReuse(model, loaded.name, 1 << 34)
-        reuse.prefill(document, config)
+        run_prefill(model, document, config, prefix=reuse)
         start = time.perf_counter()
-        run = reuse.prefill(prompt, config)
+        run, _ = run_prefill(model, prompt, config, prefix=reuse)
         warm = time.perf_counter() - start
         same = bool(torch.equal(cold_logits.argmax(), run.logits.argmax()))
         if repeat:

@@ -319,9 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         add_help=False,
-        help="benchmarks: ttft, decode, step, disagg, serve, interference, prefix (bench NAME --help: its flags)",
+        help="benchmarks: ttft, decode, step, disagg, serve, interference, prefix, threads (bench NAME --help: its flags)",
     )
-    bench.add_argument("name", choices=["ttft", "decode", "step", "disagg", "serve", "interference", "prefix"])
+    bench.add_argument(
+        "name", choices=["ttft", "decode", "step", "disagg", "serve", "interference", "prefix", "threads"]
+    )
 
     sub.add_parser(
         "eval", add_help=False, help="the long-context accuracy suite under many pruning schedules (--help for flags)"

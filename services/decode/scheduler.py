@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 from shared.compute import ComputeThread
@@ -35,10 +34,10 @@ from shared.engine import (
     PrefillRun,
     PrefixReuse,
     SamplingParams,
-    Stats,
+    abandon_prefill,
     choice_decodings,
     decode_batch,
-    fill_prefill_stats,
+    finish_prefill,
 )
 from shared.engine.grammar import Grammars
 from shared.net.rpc import ResourceExhausted
@@ -61,7 +60,6 @@ class Sequence:
     # (index 0..n-1) share one outbox and one cancelled event.
     outbox: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    prefill_started: float | None = None  # when its local prefill first ran
     index: int = 0  # which choice of its request
     width: int = 1  # how many choices its request has
     family: list[Sequence] = field(default_factory=list)  # its request's choices by index, itself included
@@ -242,8 +240,6 @@ class Scheduler:
     def _advance_prefill(self, sequence: Sequence, budget: int | None) -> None:
         """Run whole layers of a local prefill, within `budget` rows (None: to the end); at least one."""
         run, rows = sequence.prefill, 0
-        if sequence.prefill_started is None:
-            sequence.prefill_started = time.perf_counter()
         try:
             while not run.done and (budget is None or rows == 0 or rows + run.next_rows <= budget):
                 rows += run.step()
@@ -253,10 +249,7 @@ class Scheduler:
             return
         if not run.done:
             return
-        if self.prefix is not None:
-            self._cache_safely(lambda: self.prefix.finish(run), sequence)
-        stats = Stats()
-        fill_prefill_stats(stats, run.cache, time.perf_counter() - sequence.prefill_started)
+        stats = finish_prefill(run, self.prefix)
         # Every choice decodes from the one prefill and joins the batch from here.
         decodings = choice_decodings(run.cache, run.config, sequence.params, sequence.prompt_ids, self.grammars, stats)
         decodings[0].depths = sequence.depths
@@ -317,15 +310,7 @@ class Scheduler:
         # call, so a next turn that started from them could part from a prefill of the same text
         # (1 of 10 later turns in bench prefix). The next turn starts from its prompt, cached
         # when it was prefilled or received, and prefills the answer.
-        if self.prefix is not None and sequence.prefill is not None:
-            self.prefix.abandon(sequence.prefill)  # a local prefill that did not finish: unpin its hit
+        if sequence.prefill is not None:
+            abandon_prefill(sequence.prefill, self.prefix)  # a local prefill that did not finish
         sequence.prefill = None
         sequence.outbox.put((kind, sequence.index, detail))
-
-    @staticmethod
-    def _cache_safely(action, sequence: Sequence) -> None:
-        """Caching is an optimization: a failure there is logged and the request goes on."""
-        try:
-            action()
-        except Exception:
-            log.exception("prefix caching for %s failed; the request is not affected", sequence.request_id)

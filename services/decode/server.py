@@ -26,7 +26,15 @@ from services.decode.settings import DecodeSettings
 from services.decode.transfers import TransferTable
 from shared.compute import ComputeThread
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
-from shared.engine import PrefillRun, PrefixReuse, PruneConfig, Sampled, Sampler, SamplingParams, choice_decodings
+from shared.engine import (
+    PrefixReuse,
+    PruneConfig,
+    Sampled,
+    Sampler,
+    SamplingParams,
+    choice_decodings,
+    start_prefill,
+)
 from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
@@ -212,10 +220,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 except GrammarError as error:
                     raise InvalidArgument(f"sampling.grammar: {error}") from None
             # Prefilled here, a layer at a time between decode steps, on the engine thread.
-            if self.prefix is None:
-                run = PrefillRun(self.model, ids, config, reserve=params.max_new_tokens)
-            else:
-                run = self.prefix.start(ids, config, request.cache_salt, reserve=params.max_new_tokens)
+            run = start_prefill(
+                self.model, ids, config, prefix=self.prefix, salt=request.cache_salt, reserve=params.max_new_tokens
+            )
             sequence = Sequence.local(request_id, run, params, request.cache_salt)
             sequence.depths = request.return_token_depths
             return [sequence]

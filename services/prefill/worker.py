@@ -22,7 +22,7 @@ from services.prefill.sender import KVSender, SenderFactory
 from services.prefill.settings import PrefillSettings
 from shared.compute import ComputeThread
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
-from shared.engine import PrefixReuse, Sampler, Stats, fill_prefill_stats, prefill
+from shared.engine import PrefixReuse, Sampler, Stats, run_prefill
 from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, start_serving
@@ -170,16 +170,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             samplers = [Sampler(c, prompt_ids=request.prompt_ids, grammars=grammars) for c in params.choices()]
         except GrammarError as error:
             raise InvalidArgument(f"sampling.grammar: {error}") from None
-        start = time.perf_counter()
-        if self.prefix is None:
-            cache, logits = prefill(self.model, ids, config, on_layer=on_layer)
-        else:
-            run = self.prefix.prefill(ids, config, request.cache_salt, on_layer=on_layer)
-            cache, logits = run.cache, run.logits
-            del run
-        stats = Stats()
-        fill_prefill_stats(stats, cache, time.perf_counter() - start)
-        del cache  # the decode worker gets its own copy; this one is not needed past here
+        run, stats = run_prefill(
+            self.model, ids, config, prefix=self.prefix, salt=request.cache_salt, on_layer=on_layer
+        )
+        logits = run.logits
+        del run  # the decode worker gets its own copy of the cache; this one is not needed past here
         # Each choice's first token from the one prefill, with its own generator.
         return samplers, [sampler.choose(logits) for sampler in samplers], stats
 

@@ -6,7 +6,6 @@ The engine sees token ids only; the text side (tokenizer, template, stop strings
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -21,13 +20,11 @@ from shared.engine import (
     PruneConfig,
     Sampler,
     SamplingParams,
-    Stats,
     choice_decodings,
-    fill_prefill_stats,
     run_decoding,
+    run_prefill,
     stream,
 )
-from shared.engine.generate import prefill_cached
 from shared.models.text import Detokenizer, TextModel
 from shared.models.weights import LoadedModel
 
@@ -83,14 +80,10 @@ class LLM(TextModel):
         self, ids, sampling: SamplingParams, pruning: PruneConfig, stop=None, depths: bool = False
     ) -> list[Completion]:
         """Every choice (sampling.n) decoded from one prefill, each with its own copy of the cache."""
-        self.engine.spec.check(pruning)
-        start = time.perf_counter()
         ids_t = torch.as_tensor(ids, dtype=torch.long)
-        cache, logits = prefill_cached(self.engine, ids_t, pruning, sampling.max_new_tokens, self.prefix)
-        stats = Stats()
-        fill_prefill_stats(stats, cache, time.perf_counter() - start)
-        completions = []
-        decodings = choice_decodings(cache, pruning, sampling, ids, self.loaded.grammars, stats)
+        run, stats = run_prefill(self.engine, ids_t, pruning, prefix=self.prefix, reserve=sampling.max_new_tokens)
+        logits, completions = run.logits, []
+        decodings = choice_decodings(run.cache, pruning, sampling, ids, self.loaded.grammars, stats)
         decodings[0].depths = depths  # return_token_depths: the first choice reports them
         for decoding in decodings:
             completion = Completion(generation=decoding.generation)

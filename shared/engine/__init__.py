@@ -11,7 +11,6 @@ from shared.engine.generate import (
     Generation,
     choice_decodings,
     decode_tokens,
-    fill_prefill_stats,
     generate,
     run_decoding,
     stream,
@@ -20,6 +19,7 @@ from shared.engine.model import EngineModel
 from shared.engine.prefill import LayerFrame, PrefillRun, prefill
 from shared.engine.prefix import PrefixCache, PrefixHit, block_keys, held_layers, namespace
 from shared.engine.pruning import select
+from shared.engine.request import abandon_prefill, fill_prefill_stats, finish_prefill, run_prefill, start_prefill
 from shared.engine.reuse import PrefixReuse
 from shared.engine.sampling import Sampled, Sampler, sample
 
@@ -46,6 +46,10 @@ __all__ = [
     "decode_step",
     "choice_decodings",
     "decode_tokens",
+    "abandon_prefill",
+    "finish_prefill",
+    "run_prefill",
+    "start_prefill",
     "fill_prefill_stats",
     "generate",
     "run_decoding",

@@ -17,7 +17,7 @@ from shared.contract import PruneConfig, SamplingParams, Stats
 from shared.engine.cache import LazyCache
 from shared.engine.decode import decode_step
 from shared.engine.model import EngineModel
-from shared.engine.prefill import prefill
+from shared.engine.request import fill_cache_stats, run_prefill
 from shared.engine.reuse import PrefixReuse
 from shared.engine.sampling import Sampled, Sampler
 
@@ -28,18 +28,6 @@ class Generation:
     finish_reason: str = "length"  # "stop" (a stop token) or "length" (max_new_tokens)
     stats: Stats = field(default_factory=Stats)
     logprobs: list[Sampled] = field(default_factory=list)  # with params.logprobs: one per token
-
-
-def fill_cache_stats(stats: Stats, cache: LazyCache, num_layers: int, depths: bool = False) -> None:
-    """depths: also each prompt token's depth and the revived positions (return_token_depths)."""
-    if depths:
-        stats.token_depths = cache.depth[: cache.num_prompt].tolist()
-        stats.revived_positions = sorted(cache.revived)
-    stats.token_layers_computed = cache.computed_token_layers
-    stats.token_layers_full = num_layers * cache.length
-    stats.revived_token_layers = cache.revived_token_layers
-    stats.kv_cache_bytes = cache.kv_bytes
-    stats.aux_cache_bytes = cache.aux_bytes
 
 
 class Decoding:
@@ -164,28 +152,6 @@ def choice_decodings(
     return decodings
 
 
-def fill_prefill_stats(stats: Stats, cache: LazyCache, ttft_s: float) -> None:
-    """Everything a finished prefill reports: its time, the prompt, the schedule as honoured, and
-    the cache's work and memory (refreshed by decode when it ends). The one place for it: the
-    in-process stream, the decode worker's local prefill and the prefill worker all call this."""
-    stats.ttft_s = ttft_s
-    stats.prompt_tokens = cache.num_prompt
-    stats.prefill_token_layers = cache.computed_token_layers
-    stats.kept_per_layer = list(cache.kept_per_layer)
-    stats.cached_tokens = cache.cached_tokens
-    fill_cache_stats(stats, cache, cache.spec.num_layers)
-
-
-def prefill_cached(
-    model: EngineModel, ids: torch.Tensor, config: PruneConfig, reserve: int, prefix: PrefixReuse | None
-) -> tuple[LazyCache, torch.Tensor]:
-    """`prefill`, from (and into) a prefix cache when there is one."""
-    if prefix is None:
-        return prefill(model, ids, config, reserve=reserve)
-    run = prefix.prefill(ids, config, reserve=reserve)
-    return run.cache, run.logits
-
-
 def stream(
     model: EngineModel,
     ids: list[int] | torch.Tensor,
@@ -199,11 +165,8 @@ def stream(
     sampler: one built with the model's grammars, for structured output; prefix: a prefix cache
     to start from and to leave the prompt in."""
     ids = torch.as_tensor(ids, dtype=torch.long)
-    model.spec.check(config)
-    start = time.perf_counter()
-    cache, logits = prefill_cached(model, ids, config, params.max_new_tokens, prefix)
-    fill_prefill_stats(generation.stats, cache, time.perf_counter() - start)
-    yield from decode_tokens(model, cache, logits, config, params, generation, sampler, prompt_ids=ids)
+    run, _ = run_prefill(model, ids, config, prefix=prefix, reserve=params.max_new_tokens, stats=generation.stats)
+    yield from decode_tokens(model, run.cache, run.logits, config, params, generation, sampler, prompt_ids=ids)
 
 
 def generate(

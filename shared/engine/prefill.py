@@ -16,6 +16,7 @@ this prompt's own query window, as without the cache.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,6 +105,8 @@ class PrefillRun:
         self._masks: dict[tuple, tuple] = {}  # (window, hit) -> (query positions, key positions, mask)
         self._prompt_masks: dict[tuple, torch.Tensor] = {}  # prompt_attention's masks
         self.logits: torch.Tensor | None = None  # [vocab], once the last layer has run
+        self.started_s: float | None = None  # perf_counter at the first step
+        self.elapsed_s: float | None = None  # from the first step to the logits
         # With keep_boundary, the cache keeps every token's hidden state leaving layer held - 1
         # (what a prefix cache entry holds besides K/V); decode adds the generated tokens'.
         self.keep_boundary = keep_boundary and held < model.spec.num_layers
@@ -126,6 +129,8 @@ class PrefillRun:
         require_compute_thread("a prefill")
         if self.done:
             raise RuntimeError("the prefill has finished")
+        if self.started_s is None:
+            self.started_s = time.perf_counter()
         model, cache, config, index = self.model, self.cache, self.config, self.layer
         if self.h is None:
             self.h = model.embed_tokens(self.ids.to(model.device))
@@ -149,6 +154,7 @@ class PrefillRun:
             mask = window_mask(model, index, positions[-1:], key_positions)
             h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], keys, values, mask=mask))
             self.logits = logits_of(model, h)[0]
+            self.elapsed_s = time.perf_counter() - self.started_s
             self._masks.clear()  # a finished run may be held for decode: not its masks
             self._prompt_masks.clear()
         else:

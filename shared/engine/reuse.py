@@ -49,7 +49,8 @@ class PrefixReuse:
         reserve: int = 0,
         on_layer: Callable[[LayerFrame], None] | None = None,
     ) -> PrefillRun:
-        """A prefill of `ids` from its longest cached start (pinned until `finish` or `abandon`).
+        """A prefill of `ids` from its longest cached start (pinned until `finish` or `abandon`);
+        shared.engine.request's start_prefill is the way in for a request.
         The hit leaves at least the query window (and one token) to compute."""
         n = ids.shape[0]
         keys = self.keys(ids.tolist(), config, salt)
@@ -65,26 +66,6 @@ class PrefixReuse:
             self.cache.release(hit)
             raise
         run.prefix_keys = keys
-        return run
-
-    def prefill(
-        self,
-        ids: torch.Tensor,
-        config: PruneConfig,
-        salt: str = "",
-        *,
-        reserve: int = 0,
-        on_layer: Callable[[LayerFrame], None] | None = None,
-    ) -> PrefillRun:
-        """`start` run to the end, its rows cached; the hit is unpinned however it ends."""
-        run = self.start(ids, config, salt, reserve=reserve, on_layer=on_layer)
-        try:
-            while not run.done:
-                run.step()
-        except BaseException:
-            self.abandon(run)
-            raise
-        self.finish(run)
         return run
 
     def finish(self, run: PrefillRun) -> None:

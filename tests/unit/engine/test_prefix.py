@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from shared.engine import OFF, PrefillRun, PruneConfig, decode_step
+from shared.engine import OFF, PrefillRun, PruneConfig, decode_step, run_prefill
 from shared.engine.prefix import PrefixCache, block_keys, held_layers, namespace
 from shared.engine.reuse import PrefixReuse
 
@@ -183,6 +183,11 @@ def test_a_prefill_from_a_hit_streams_a_whole_transfer(tiny_llama):
 
 
 # ---------------------------------------------------------------- PrefixReuse: what the workers use
+def _prefill(reuse: PrefixReuse, ids, config, salt="", **kwargs) -> PrefillRun:
+    """A request's prefill through the engine's one door, with this prefix cache."""
+    return run_prefill(reuse.model, ids, config, prefix=reuse, salt=salt, **kwargs)[0]
+
+
 def _reuse(model, budget=1 << 30):
     reuse = PrefixReuse(model, "tiny-llama", budget, block_tokens=16)
     return reuse
@@ -196,13 +201,13 @@ def test_a_conversations_next_turn_starts_from_its_prompt_and_answer(tiny_llama,
     model = tiny_llama.engine
     reuse = _reuse(model)
     first = _ids(140, 11)
-    run = reuse.prefill(first, config, reserve=STEPS)
+    run = _prefill(reuse, first, config, reserve=STEPS)
     _, answer = _greedy(model, run, config)  # each token chosen is fed (a sequence stopped by length
     assert run.cache.length == 140 + len(answer)  # leaves its last one unfed: remember takes what is held)
     added = reuse.remember(run.cache, first.tolist() + answer + [7, 7], config)
     assert added == (140 + len(answer)) // 16 - 140 // 16  # the prompt's blocks were cached by prefill already
     second = torch.cat([first, torch.tensor(answer), _ids(40, 12)])
-    warm = reuse.prefill(second, config, reserve=STEPS)
+    warm = _prefill(reuse, second, config, reserve=STEPS)
     assert warm.cache.cached_tokens == (140 + len(answer)) // 16 * 16 > 140  # into the answer
     cold = _run(model, second, config)
     torch.testing.assert_close(warm.logits, cold.logits, atol=1e-4, rtol=0)
@@ -215,9 +220,9 @@ def test_tenants_never_share_entries(tiny_llama):
     model = tiny_llama.engine
     reuse = _reuse(model)
     prompt = _ids(100, 13)
-    reuse.prefill(prompt, LAZY, "tenant-a")
-    assert reuse.prefill(prompt, LAZY, "tenant-b").cache.cached_tokens == 0
-    assert reuse.prefill(prompt, LAZY, "tenant-a").cache.cached_tokens == 96
+    _prefill(reuse, prompt, LAZY, "tenant-a")
+    assert _prefill(reuse, prompt, LAZY, "tenant-b").cache.cached_tokens == 0
+    assert _prefill(reuse, prompt, LAZY, "tenant-a").cache.cached_tokens == 96
 
 
 def test_concurrent_prefills_sharing_a_prefix_each_equal_one_from_scratch(tiny_llama):
@@ -226,12 +231,12 @@ def test_concurrent_prefills_sharing_a_prefix_each_equal_one_from_scratch(tiny_l
     model = tiny_llama.engine
     reuse = _reuse(model)
     document = _ids(128, 14)
-    reuse.prefill(document, LAZY)
+    _prefill(reuse, document, LAZY)
     prompts = [torch.cat([document, _ids(30 + i, 20 + i)]) for i in range(4)]
     results: dict[int, torch.Tensor] = {}
 
     def ask(i: int) -> None:
-        results[i] = reuse.prefill(prompts[i], LAZY).logits
+        results[i] = _prefill(reuse, prompts[i], LAZY).logits
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
     for thread in threads:
@@ -247,16 +252,16 @@ def test_concurrent_prefills_sharing_a_prefix_each_equal_one_from_scratch(tiny_l
 def test_a_burst_of_distinct_prompts_stays_under_the_budget_and_spares_what_is_in_use(tiny_llama):
     model = tiny_llama.engine
     probe = _reuse(model)
-    probe.prefill(_ids(64, 30), LAZY)
+    _prefill(probe, _ids(64, 30), LAZY)
     budget = 3 * probe.cache.bytes_held  # three 64-token prompts' worth
     reuse = _reuse(model, budget)
     document = _ids(64, 31)
-    reuse.prefill(document, LAZY)
+    _prefill(reuse, document, LAZY)
     # A prefill from the document is under way (its hit pinned) while the burst comes.
     running = reuse.start(torch.cat([document, _ids(20, 32)]), LAZY)
     assert running.cache.cached_tokens == 64
     for seed in range(40, 52):
-        reuse.prefill(_ids(64, seed), LAZY)
+        _prefill(reuse, _ids(64, seed), LAZY)
         assert reuse.cache.bytes_held <= budget
     assert all(key in reuse.cache._entries for key in running.prefix_keys[:4])
     while not running.done:
@@ -290,7 +295,7 @@ def test_a_transfer_carries_what_lets_the_receiver_cache_the_prompt(tiny_llama, 
     sender, receiver = _reuse(model), _reuse(model)
     prompt = _ids(150, 40)
     frames = []
-    run = sender.prefill(prompt, config, on_layer=frames.append)
+    run = _prefill(sender, prompt, config, on_layer=frames.append)
     boundary = [frame for frame in frames if frame.boundary_positions is not None]
     assert [frame.layer for frame in boundary] == [held_layers(config, model.spec.num_layers) - 1]
     got = assemble(tiny_llama, _transfer(tiny_llama, run, frames, prompt, config, budget=1024)).cache
@@ -312,7 +317,7 @@ def test_a_transfer_with_wrong_boundary_rows_is_refused(tiny_llama):
     model = tiny_llama.engine
     prompt = _ids(150, 41)
     frames = []
-    run = _reuse(model).prefill(prompt, LAZY, on_layer=frames.append)
+    run = _prefill(_reuse(model), prompt, LAZY, on_layer=frames.append)
     index = next(i for i, frame in enumerate(frames) if frame.boundary_positions is not None)
     frame = frames[index]
     short = dataclasses.replace(
@@ -328,13 +333,13 @@ def test_a_prefill_from_what_is_left_after_eviction_equals_one_from_scratch(tiny
     model = tiny_llama.engine
     probe = _reuse(model)
     document = _ids(128, 50)
-    probe.prefill(document, LAZY)
+    _prefill(probe, document, LAZY)
     per_block = probe.cache.bytes_held // 8
     reuse = _reuse(model, budget=10 * per_block)
-    reuse.prefill(document, LAZY)
-    reuse.prefill(_ids(64, 51), LAZY)  # 4 more blocks: the document's tail goes first
+    _prefill(reuse, document, LAZY)
+    _prefill(reuse, _ids(64, 51), LAZY)  # 4 more blocks: the document's tail goes first
     assert reuse.cache.evictions == 2
     prompt = torch.cat([document, _ids(30, 52)])
-    warm = reuse.prefill(prompt, LAZY)
+    warm = _prefill(reuse, prompt, LAZY)
     assert warm.cache.cached_tokens == 96
     torch.testing.assert_close(warm.logits, _run(model, prompt, LAZY).logits, atol=1e-4, rtol=0)
