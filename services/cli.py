@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         add_help=False,
-        help="benchmarks: ttft, decode, step, disagg, serve, interference, prefix, threads (bench NAME --help: its flags)",
+        help="benchmarks: ttft, decode, step, disagg, serve, interference, prefix, threads "
+        "(bench NAME --help: its flags)",
     )
     bench.add_argument(
         "name", choices=["ttft", "decode", "step", "disagg", "serve", "interference", "prefix", "threads"]
