@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from shared.compute import set_openmp_env
 from shared.net.lifecycle import watch_lifeline
 
 
@@ -333,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    set_openmp_env()  # before torch loads; the processes `up` and Ray start inherit it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)

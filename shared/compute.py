@@ -21,7 +21,9 @@ ComputeThreadError at once, instead of a silent slowdown.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -36,6 +38,30 @@ Driver = Callable[[], float | None]
 
 _STOP = object()
 _role = threading.local()
+
+
+# libgomp's idle workers spin GOMP_SPINCOUNT pause loops (300,000 by default: milliseconds) after
+# every parallel region before they sleep. Inside a step the next region comes within
+# microseconds, which 10,000 spins cover; after a step, or a job of a process that mostly waits,
+# a worker spinning for milliseconds takes a core from the host's other processes. Under `up` the
+# prefill actor and the decode worker share the cores: the actor's prefill of 3,000 tokens took
+# 1.2x its in-process time while the decode worker's workers spun after each frame it assembled,
+# and 1.0x with 10,000 (docs/results.md, "One compute thread per process").
+OPENMP_ENV = {"GOMP_SPINCOUNT": "10000"}
+
+
+def openmp_env() -> dict[str, str]:
+    """OPENMP_ENV, less what this process's environment sets otherwise: for a process to start."""
+    return {name: os.environ.get(name, value) for name, value in OPENMP_ENV.items()}
+
+
+def set_openmp_env() -> None:
+    """Set OPENMP_ENV in this process, where the environment does not say otherwise. libgomp reads
+    it once, when torch loads it: call this before anything imports torch."""
+    if "torch" in sys.modules:
+        log.warning("torch is loaded already: its OpenMP runtime keeps the settings it started with")
+    for name, value in OPENMP_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 class ComputeThreadError(RuntimeError):

@@ -14,6 +14,7 @@ import os
 import ray
 
 from services.prefill.settings import PrefillSettings
+from shared.compute import openmp_env
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +75,13 @@ class PrefillActor:
         """Which threads ran engine work (shared.compute): the compute thread alone, never Ray's."""
         import threading
 
-        from shared.compute import computing_threads
+        from shared.compute import OPENMP_ENV, computing_threads
 
         return {
             "compute": self.compute.ident,
             "ray": threading.get_ident(),
             "computing": sorted(computing_threads()),
+            "openmp_env": {name: os.environ.get(name) for name in OPENMP_ENV},
         }
 
     def counters(self) -> dict:
@@ -156,6 +158,9 @@ def launch_prefill_actors(settings: PrefillSettings, ray_address: str | None = N
         max_restarts=settings.max_restarts,
         # A call that was running when the actor died is retried once it is back.
         max_task_retries=1,
+        # Set before the actor's process loads torch (importing this module does), also on a
+        # cluster whose raylets were started without them.
+        runtime_env={"env_vars": openmp_env()},
     )
     # A fixed port is the first actor's; the others take the next ones (0: each picks a free port).
     handles = [

@@ -14,6 +14,7 @@ from helpers import random_ids, text_ids
 from services.prefill.actor import actor_addresses, launch_prefill_actors
 from services.prefill.settings import PrefillSettings
 from services.router.client import DecodeClient, PrefillClient, run_disaggregated
+from shared.compute import OPENMP_ENV
 from shared.contract import preset
 from shared.engine import OFF, SamplingParams, generate
 from shared.net import rpc
@@ -102,6 +103,8 @@ def test_the_actor_computes_only_on_its_compute_thread(actors):
     threads = ray.get(actors["SmolLM2-135M-Instruct"].threads.remote())
     assert threads["computing"] == [threads["compute"]]
     assert threads["compute"] != threads["ray"]
+    # The OpenMP settings reached the actor's process (its raylet did not have them: this test's Ray).
+    assert threads["openmp_env"] == OPENMP_ENV
 
 
 def test_prefill_stops_when_the_decode_worker_refuses(actors, smollm2, tiny_decode_process):

@@ -99,3 +99,22 @@ def test_an_io_thread_is_refused_engine_work_and_others_are_recorded():
     assert ident[0] not in computing_threads()
     require_compute_thread("a prefill")
     assert threading.get_ident() in computing_threads()
+
+
+def _spincount_after(code: str, env: dict) -> str:
+    import os
+    import subprocess
+    import sys
+
+    script = f"import os\n{code}\nprint(os.environ.get('GOMP_SPINCOUNT'))"
+    environ = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | env
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environ, timeout=120)
+    assert out.returncode == 0, out.stderr[-1000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_the_cli_sets_the_openmp_spin_before_torch_loads_unless_the_environment_says():
+    # The CLI's entry sets it first: every process `up`, Ray and the workers start inherits it.
+    code = "from services import cli\ntry:\n    cli.main(['certs', '--help'])\nexcept SystemExit:\n    pass"
+    assert _spincount_after(code, {}) == "10000"
+    assert _spincount_after(code, {"GOMP_SPINCOUNT": "5"}) == "5"
