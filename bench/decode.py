@@ -93,8 +93,9 @@ def _run(compute, model, prefilled, config, batch_size: int) -> tuple[float, int
         for decoding, (_, first, _) in zip(compute.call(_decodings, prefilled, config), prefilled):
             sequences += Sequence.resumed("bench", [decoding], [first])
         start = time.perf_counter()
-        for sequence in sequences:
-            scheduler.submit(sequence)
+        # All in one admission, as the direct loop starts: one by one, each would wait for the
+        # round the first ones started, and the first steps would run part of the batch.
+        scheduler.submit(*sequences)
         tokens = 0
         for sequence in sequences:
             while (item := sequence.outbox.get(timeout=600))[0] == TOKEN:
