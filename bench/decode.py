@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from shared.compute import ComputeThread
 
-    compute = ComputeThread("bench-compute", threads=args.threads)
+    compute = ComputeThread("bench-compute")
+    compute.call(torch.set_num_threads, args.threads)
     runs = [bench_dtype(args, dtype, compute) for dtype in args.dtypes]
     compute.close()
     for run in runs:

@@ -72,8 +72,9 @@ def scenario(name: str, dtype: str, rows: int, calls: int, threads: int) -> floa
     from shared.compute import ComputeThread
 
     if name == "compute thread":
-        compute = ComputeThread("bench-compute", threads=threads)
+        compute = ComputeThread("bench-compute")
         try:
+            compute.call(torch.set_num_threads, threads)
             return compute.call(_work, dtype, rows, calls)
         finally:
             compute.close()

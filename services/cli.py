@@ -14,17 +14,14 @@ from shared.net.lifecycle import watch_lifeline
 def _engine_settings(args):
     from shared.net.settings import EngineSettings
 
-    settings = EngineSettings(**_engine_overrides(args))
-    settings.apply_threads()
-    return settings
+    return EngineSettings(**_engine_overrides(args))
 
 
 def _load_llm(settings):
     from shared.api.llm import LLM
-    from shared.models.weights import load_model
+    from shared.models.weights import load_engine
 
-    loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir)
-    loaded.engine.set_batch_invariant(settings.batch_invariant)
+    loaded = load_engine(settings)  # run-batch computes on this, its main and only thread
     from shared.engine import PrefixReuse
 
     prefix = PrefixReuse.configured(loaded.engine, loaded.name, settings)

@@ -11,7 +11,7 @@ loop runs on a second thread has crossed that line on a host with as many cores 
 GOMP_SPINCOUNT and OMP_WAIT_POLICY do not reach the throttled count. So: in each process one
 thread loads the model and runs every torch op of the engine; the other threads (gRPC handlers,
 stream readers, reapers) move bytes and hand it work through `call` / `submit`. The figures are in
-docs/results.md ("Threads and the engine").
+docs/results.md ("One compute thread per process").
 
 The guard: a thread marked as an I/O thread (`mark_io_thread`, the gRPC servers' pools do it for
 each of their threads) that reaches an engine door (`require_compute_thread`) gets a
@@ -100,16 +100,14 @@ def forget_computing_threads() -> None:
 
 class ComputeThread:
     """A thread that runs jobs one at a time, in order, and between them its drivers' rounds.
+    OpenMP keeps torch's thread count per thread: set it with a job (`apply_threads`, load_engine)."""
 
-    `threads`: torch's intra-op threads, set on this thread (OpenMP keeps the count per thread).
-    """
-
-    def __init__(self, name: str = "lazyserve-compute", threads: int | None = None):
+    def __init__(self, name: str = "lazyserve-compute"):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._drivers: list[Driver] = []
         self._ready = threading.Event()
         self.ident: int | None = None
-        self._thread = threading.Thread(target=self._serve, args=(threads,), name=name, daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
         self._ready.wait()
 
@@ -145,11 +143,7 @@ class ComputeThread:
             if not self.is_current:
                 self._thread.join()
 
-    def _serve(self, threads: int | None) -> None:
-        if threads is not None:
-            import torch
-
-            torch.set_num_threads(threads)
+    def _serve(self) -> None:
         self.ident = threading.get_ident()
         self._ready.set()
         wait: float | None = None

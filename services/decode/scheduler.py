@@ -213,9 +213,9 @@ class Scheduler:
         if prefilling is not None:
             budget = None if not batch else max(self.max_batch_tokens - len(batch), 0)
             self._advance_prefill(prefilling, budget)
+        if batch:
+            self._decode(batch)
         if batch or prefilling is not None:
-            if batch:
-                self._decode(batch)
             return 0
         return 0.005  # every reader is behind: wait for one to take its tokens
 
