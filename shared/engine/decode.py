@@ -219,7 +219,7 @@ def decode_batch(model: EngineModel, batch: Sequence[tuple[LazyCache, int, Prune
         sizes = [seq.rows.shape[0] for seq in seqs]
         h = torch.cat([seq.h for seq in seqs]) if len(seqs) > 1 else seqs[0].h
         rows = torch.cat([seq.rows for seq in seqs]) if len(seqs) > 1 else seqs[0].rows
-        q, k, v = project_qkv(model, index, h, rows)
+        q, k, v = project_qkv(model, index, h, rows, model.decode_tile)
         last = index == last_layer
         outs, start = [], 0
         for seq, size in zip(seqs, sizes):
@@ -230,8 +230,8 @@ def decode_batch(model: EngineModel, batch: Sequence[tuple[LazyCache, int, Prune
         if last:
             # Only each sequence's new token predicts: the other rows needed KV here, nothing more.
             tails = torch.cat([seq.h[-1:] for seq in seqs]) if len(seqs) > 1 else seqs[0].h[-1:]
-            return logits_of(model, finish(model, index, tails, out))
-        h = finish(model, index, h, out)
+            return logits_of(model, finish(model, index, tails, out, model.decode_tile), model.decode_tile)
+        h = finish(model, index, h, out, model.decode_tile)
         for seq, rows_h in zip(seqs, h.split(sizes)):
             seq.h = rows_h
             boundary = seq.cache.boundary

@@ -1,72 +1,135 @@
-"""Row counts at which this host's matrix products compute a row as a large call does.
+"""Fixed-shape calls: a token's numbers do not depend on what else is computed with it.
 
-A token's numbers must not depend on what else is computed with it: a decode step of one
-sequence and the same step inside a batch of 16, a prefix-cache hit that computes 5 new tokens
-and the prefill that computed them among 3,000. The projections are where that breaks on the CPU:
-BLAS libraries pick their kernel by the shape, and a small call takes a different one (a
-matrix-vector product for one row, small-matrix kernels for a few) that adds its products in
-another order. Measured on an AMD EPYC with AVX512-BF16 (torch 2.13, 2 threads): in float32 a
-call of 1, 2, 3, 5, 6, 7, 9, 10 or 11 rows differs from the same rows inside a large call, while
-4, 8 and 12 or more agree. In bfloat16 calls of 1 and 2 rows differ on a few rows only (86 of
-1,024 single rows of SmolLM2's down_proj; 2 to 4 of 1,024 pairs of rows of tiny-gemma3's k_proj),
-because most differences of the float32 sums vanish in the rounding to bfloat16: a probe on a few
-random rows can miss them.
+What must hold, bit for bit:
+- a prompt row computed from a prefix-cache hit (the new rows only, over cached keys that
+  another prompt computed) equals the same row of a prefill from scratch, on either worker;
+- a sequence's decode step inside a batch equals the same step alone (`--batch-invariant`).
 
-So the engine pads a call's rows with zero rows (`padded` in layer.py) to at least MIN_ROWS, below
-which every kind of call tried had a kernel of its own, and then up to the smallest count that
-agrees. This module finds those counts once per process, on the model's own projection weights: for
-each count from MIN_ROWS to PROBE_ROWS, the rows of a PROBE_CALL-row call computed in calls of that
-count (0.07 s for a tiny model, 0.3-0.5 s for SmolLM2, 1.8-3.1 s for Gemma 3, whose LM head has
-262k rows). Counts of
-PROBE_ROWS and more are taken as large calls (every count up to 3,100 agreed on the host above).
-The cost is what the padded rows compute, and only small calls pay it: `lazyserve bench decode`
-measures it (docs/results.md).
+Why it breaks without care: a CPU BLAS picks its kernel, its blocking over rows and columns and
+how its threads split the sums by the shape of the call. A row computed in a call of 56 rows can
+be summed in another order than the same row in a call of 3,000, and which counts agree differs
+from host to host (on an AMX Xeon in bfloat16, SmolLM2's down_proj agrees with a 512-row call for
+1-32 rows only, its gate_proj for 1 and 33+ rows only; docs/results.md). So nothing here asks the
+BLAS which counts it computes alike. Every call a row takes part in has one shape, fixed in
+advance, and the argument rests on two properties that any matrix product has, whatever kernel
+the host picks:
+1. Determinism: the same call (shape, dtype, thread count, operand values) gives the same bits.
+2. Row independence: a row's outputs depend on that row's inputs alone, not on the other rows'
+   values (a product never mixes rows; the sums that run over K run within a row).
+
+Prompt rows (`tiled` with PROMPT_TILE, `prompt_attention` with QUERY_TILE). Every row-wise step
+of a layer (norms, projections, MLP) runs on tiles of exactly PROMPT_TILE rows, and the row at
+original position p sits at offset p mod PROMPT_TILE of its tile, whatever else is computed: the
+other rows of a hit's first tile are zeros where a prefill from scratch has the cached tokens. By
+(2) that changes none of the row's outputs, and by (1) its tile's call computes it as the
+scratch prefill's call does. Attention over the prompt is one SDPA call per tile of QUERY_TILE
+query rows, again at offset p mod QUERY_TILE, over the keys 0..k-1 with k the tile's last
+position rounded up to KEY_BLOCK: the call's shape depends on the tile's position only, never on
+the prompt's length or where the computed rows start. Keys a row may not see are masked: they add
+exact zeros to its sums (their exp is 0; the running max and the rescaling factor exp(0) = 1 do
+not change), so which masked keys a call holds changes nothing either. Deeper layers, past the
+first cut, compute the same list of rows in a hit and from scratch: same calls, (1) alone.
+
+Decode rows (`decode_tile`, on with `--batch-invariant`). A decode step computes each sequence's
+new token and revived rows, packed one sequence after another, so a row's offset in its tile
+depends on the batch: this needs a third property, checked rather than assumed.
+3. Position uniformity: within a call of DECODE_TILE rows, every row position is computed by the
+   same arithmetic. BLAS kernels split K the same way for every row of a call (the blocking over K
+   and any split of the sums between threads are per call); rows differ only where a kernel
+   handles a last, partial block of rows with other code. DECODE_TILE = 16 rows is one AMX tile's
+   height and a whole number of the register blocks of the AVX-512 and AVX2 kernels (4, 8, 16),
+   so no row of a tile is in a partial block. `check_decode_tile` verifies this on the model's
+   own weights when the switch is turned on, and refuses it where the host disagrees, instead of
+   serving numbers that depend on the batch.
+The row-wise steps that are not products are elementwise or reduce within a row; in a tile of
+fixed shape each runs the same vector loop for every row (16 rows of an even hidden size fill
+whole vectors: no scalar tail, whose exp or tanh would be another function).
+
+All of this assumes the same torch build and thread count in every worker of a deployment: that
+is what `up` and the compose stack start.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch import nn
 
-MIN_ROWS = 4
-PROBE_ROWS = 16
-PROBE_CALL = 64  # a float32 kernel switch shows on nearly every row: 64 rows find it
-LARGE = 1 << 24  # weights of more elements (the LM head) are probed on fewer row blocks: they are slow to call
-OFFSETS_LARGE = 4
-
-_probed: dict[tuple, tuple[int, ...]] = {}
+PROMPT_TILE = 64
+DECODE_TILE = 16
+QUERY_TILE = 64  # an SDPA call of fewer than 192 query rows splits them into blocks of 32: two whole blocks
+KEY_BLOCK = 512  # the CPU flash kernel's block of keys (cpu_flash_attention's kv_split_size)
 
 
-def projections(hf_layers: list[nn.Module], lm_head: nn.Module) -> list[nn.Linear]:
-    """One layer's projections and the LM head: every matrix shape the engine multiplies rows by."""
-    return [module for module in hf_layers[0].modules() if isinstance(module, nn.Linear)] + [lm_head]
+Rows = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def tiled(fn: Callable[..., Rows], tile: int | None, offset: int, *xs: torch.Tensor) -> Rows:
+    """fn applied to the rows of xs (each [m, ...], row i at original position offset + i) in
+    calls of exactly `tile` rows, row i at offset (offset + i) mod tile, zero rows around them;
+    fn must map [tile, ...] inputs to one or more [tile, ...] outputs. tile None: one plain call."""
+    if tile is None:
+        return fn(*xs)
+    m = xs[0].shape[0]
+    lead = offset % tile
+    total = -(-(lead + m) // tile) * tile
+    spread = []
+    for x in xs:
+        full = x.new_zeros(total, *x.shape[1:])
+        full[lead : lead + m] = x
+        spread.append(full)
+    outs = [fn(*(x[j : j + tile] for x in spread)) for j in range(0, total, tile)]
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs)[lead : lead + m]
+    return tuple(torch.cat(parts)[lead : lead + m] for parts in zip(*outs))
 
 
 @torch.inference_mode()
-def row_counts(linears: list[nn.Linear]) -> tuple[int, ...]:
-    """counts[m] for m < PROBE_ROWS: the row count a call of m rows is padded to (m itself where m
-    rows already agree with a large call). Probed once per process for each set of shapes."""
-    weight = linears[0].weight
-    key = (weight.dtype, weight.device.type, tuple(tuple(linear.weight.shape) for linear in linears))
-    if key not in _probed:
-        generator = torch.Generator().manual_seed(0)
-        inputs = [
-            torch.randn(PROBE_CALL, linear.in_features, generator=generator).to(weight.device, weight.dtype)
-            for linear in linears
-        ]
-        references = [linear(x) for linear, x in zip(linears, inputs)]
-        agreeing = [
-            m
-            for m in range(MIN_ROWS, PROBE_ROWS)  # all() stops at the first disagreement: the LM head comes last
-            if all(_agrees(linear, x, full, m) for linear, x, full in zip(linears, inputs, references))
-        ]
-        counts = [next((a for a in agreeing if a >= max(m, MIN_ROWS)), PROBE_ROWS) for m in range(1, PROBE_ROWS)]
-        _probed[key] = (0, *counts)
-    return _probed[key]
+def check_decode_tile(calls: dict[str, tuple[Callable[..., Rows], tuple[torch.Tensor, ...]]]) -> None:
+    """Property 3 for each named call (fn, its input tiles of DECODE_TILE rows): every shift of the
+    rows gives the same outputs, shifted. Raises where a position computes otherwise."""
+    for name, (fn, xs) in calls.items():
+        reference = _as_tuple(fn(*xs))
+        for shift in range(1, DECODE_TILE):
+            shifted = _as_tuple(fn(*(torch.roll(x, shift, 0) for x in xs)))
+            for want, got in zip(reference, shifted):
+                if not torch.equal(torch.roll(want, shift, 0), got):
+                    raise RuntimeError(
+                        f"batch invariance cannot hold on this host: its {name} computes the rows of a "
+                        f"{DECODE_TILE}-row call differently by their position (torch {torch.__version__}, "
+                        f"{xs[0].dtype}); run without --batch-invariant"
+                    )
 
 
-def _agrees(linear: nn.Linear, x: torch.Tensor, full: torch.Tensor, m: int) -> bool:
-    starts = range(0, PROBE_CALL - m + 1, m)
-    if linear.weight.numel() > LARGE:
-        starts = starts[:OFFSETS_LARGE]
-    return all(torch.equal(linear(x[j : j + m].clone()), full[j : j + m]) for j in starts)
+def random_rows(width: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """[DECODE_TILE, width] with magnitudes over 2^-6..2^6: where a float32 product sums in another
+    order, its outputs show it."""
+    x = torch.randn(DECODE_TILE, width, generator=generator)
+    return (x * torch.exp2(torch.randint(-6, 7, x.shape, generator=generator).float())).to(dtype)
+
+
+def cancelling_rows(weight: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Rows x for a product x @ weight.T [out, in] whose sums show their order after a rounding to
+    bfloat16, which hides most: row r holds +-2^22 at two inputs i, j whose weights in one output
+    column have equal magnitude, signed so that the two products cancel exactly, and small values
+    elsewhere. That column's sum is then the small products alone, and how many of them a kernel adds
+    to a partial sum that still holds 2^22 x w (losing their low bits) depends on its order.
+    Random rows where no column has such a pair (float32 weights, whose random rows suffice)."""
+    out_features, width = weight.shape
+    x = random_rows(width, torch.float32, generator) * 2.0**-6
+    w = weight.detach().float()
+    for r in range(DECODE_TILE):
+        column = w[(r * 7919) % out_features]  # a different output column for each row
+        magnitudes, order = torch.sort(column.abs())
+        same = torch.nonzero((magnitudes[1:] == magnitudes[:-1]) & (magnitudes[1:] > 0)).flatten()
+        if same.numel() == 0:
+            continue
+        k = int(same[r % same.numel()])
+        i, j = int(order[k]), int(order[k + 1])
+        x[r, i] = 2.0**22
+        x[r, j] = -(2.0**22) * float(torch.sign(column[i]) * torch.sign(column[j]))
+    return x.to(weight.dtype)
+
+
+def _as_tuple(rows: Rows) -> tuple[torch.Tensor, ...]:
+    return (rows,) if isinstance(rows, torch.Tensor) else rows

@@ -10,9 +10,12 @@ is read from `model.family`; which layers slide their window, from `model.spec`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from shared.engine.invariant import KEY_BLOCK, QUERY_TILE, tiled
 from shared.engine.model import EngineModel
 
 
@@ -23,31 +26,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos) + (rotated * sin)
 
 
-def padded(model: EngineModel, x: torch.Tensor) -> torch.Tensor:
-    """x [m, d] with zero rows appended up to the row count at which this host's matrix products
-    compute each row as a large call does (`model.rows`, shared/engine/invariant.py): a row's
-    numbers then do not depend on how many rows were computed with it. The caller keeps [:m]."""
-    m = x.shape[0]
-    target = model.rows[m] if m < len(model.rows) else m
-    return x if target == m else torch.cat([x, x.new_zeros(target - m, x.shape[1])])
-
-
-def project_qkv(model: EngineModel, index: int, h: torch.Tensor, positions: torch.Tensor):
-    """Norm, q/k/v projections and RoPE at original positions. Returns q, k, v as [1, heads, m, D]."""
-    layer = model.layers[index]
-    attn = layer.self_attn
+def project_qkv(
+    model: EngineModel, index: int, h: torch.Tensor, positions: torch.Tensor, tile: int | None = None, offset: int = 0
+):
+    """Norm, q/k/v projections and RoPE at original positions. Returns q, k, v as [1, heads, m, D].
+    tile, offset: the rows' calls (invariant.tiled); None, one call of the m rows."""
     spec = model.spec
     m = h.shape[0]
-    x = layer.input_layernorm(padded(model, h))
-    q = attn.q_proj(x)[:m].view(1, m, spec.num_heads, spec.head_dim)
-    k = attn.k_proj(x)[:m].view(1, m, spec.num_kv_heads, spec.head_dim)
-    v = attn.v_proj(x)[:m].view(1, m, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-    if model.family.qk_norm:  # over each head's D, the last axis either side of the transpose
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = tiled(functools.partial(_qkv_rows, model.layers[index], model.family.qk_norm, spec), tile, offset, h)
+    q, k = q.view(1, m, spec.num_heads, spec.head_dim), k.view(1, m, spec.num_kv_heads, spec.head_dim)
+    v = v.view(1, m, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos_table, sin_table = model.rope[index]
     cos, sin = cos_table[positions], sin_table[positions]  # [m, D], broadcast over heads
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+
+def _qkv_rows(layer, qk_norm: bool, spec, h: torch.Tensor):
+    """h [rows, hidden] -> q [rows, H * D], k and v [rows, Hkv * D], q and k normed per head where
+    the family norms them: every step that works on a row's own numbers."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    if qk_norm:  # over each head's D
+        rows = h.shape[0]
+        q = attn.q_norm(q.view(rows, spec.num_heads, spec.head_dim)).view(rows, -1)
+        k = attn.k_norm(k.view(rows, spec.num_kv_heads, spec.head_dim)).view(rows, -1)
+    return q, k, v
 
 
 def window_mask(model: EngineModel, index: int, q_positions: torch.Tensor, k_positions: torch.Tensor):
@@ -106,31 +111,6 @@ def attend(
     )
 
 
-# Prefill attention over the prompt is one SDPA call whose shapes do not let the prompt's length
-# or where the computed rows start change a row's sums. PyTorch's CPU kernel (cpu_flash_attention
-# in aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) walks the keys in blocks of KEY_BLOCK, so
-# the length of the last block depends on the prompt's: a prompt of 3,041 tokens against one of
-# 3,043 moved SmolLM2's bfloat16 logits by 0.4. It takes the queries in blocks of 32, 64 or 256
-# (by their count), and a small last block goes to another kernel. On hosts with AMX, in bfloat16,
-# it switches to packed brgemm at MIN_QUERIES queries. So: keys padded with zero keys (masked) to a
-# whole number of blocks, queries with zero rows to a whole number of QUERY_BLOCK, and where the
-# kernel packs (`model.sdpa_packs`) at least MIN_QUERIES query rows. A prefix-cache hit, which computes
-# only the new rows over cached keys that another prompt computed, then gets the numbers of a
-# prefill from scratch, whatever each prompt's length.
-KEY_BLOCK = 512
-QUERY_BLOCK = 32  # the smallest of the kernel's query blocks; the others (64, 256) are multiples
-MIN_QUERIES = 64
-
-
-def _query_rows(model: EngineModel, m: int) -> int:
-    """The query rows a call of m computed rows is padded to: a whole number of the kernel's
-    smallest query block, so that no block is a small one (its product with the keys takes another
-    BLAS kernel, as small projections do: a last block of 2 rows parted 3 of 22 answers of
-    `bench prefix` from a prefill from scratch)."""
-    rows = max(m, MIN_QUERIES) if model.sdpa_packs else m
-    return -(-rows // QUERY_BLOCK) * QUERY_BLOCK
-
-
 def prompt_attention(
     model: EngineModel,
     index: int,
@@ -142,39 +122,63 @@ def prompt_attention(
 ) -> torch.Tensor:
     """Causal attention of the queries at original positions start..n-1 (q [1, H, n - start, D])
     over the keys at 0..n-1 ([1, Hkv, n, D]), within layer `index`'s sliding window if it has one.
-    masks: a memo of the masks by (start, rows, keys, window), which a run keeps for its layers.
-    Returns [1, H, n - start, D]."""
+    One SDPA call per tile of QUERY_TILE positions, each over the keys before its end rounded up to
+    KEY_BLOCK, so that a call's shape depends on where its tile lies and nothing else (the argument
+    is in shared/engine/invariant.py). masks: a memo of each tile's mask by (tile start, window),
+    which a run keeps for its layers. Returns [1, H, n - start, D]."""
+    spec = model.spec
     n, m = keys.shape[2], q.shape[2]
-    padded_keys = -(-n // KEY_BLOCK) * KEY_BLOCK
-    rows = _query_rows(model, m)
-    if rows > m:  # zero queries after the real ones: their outputs are dropped
-        q = F.pad(q, (0, 0, 0, rows - m))
-    if padded_keys > n:  # zero keys after every real row's position: masked
-        keys, values = F.pad(keys, (0, 0, 0, padded_keys - n)), F.pad(values, (0, 0, 0, padded_keys - n))
-    window = model.spec.window_at(index)
-    if start == 0 and window is None:  # causal from the first key: is_causal, top-left aligned, says it all
-        return attend(model, q, keys, values, is_causal=True)[:, :, :m]
-    key = (start, rows, padded_keys, window)
-    mask = masks.get(key)
-    if mask is None:
-        q_positions = torch.arange(start, start + rows, device=q.device)
-        k_positions = torch.arange(padded_keys, device=q.device)
-        sliding = window_mask(model, index, q_positions, k_positions)
-        mask = masks[key] = both(causal_mask(q_positions, k_positions), sliding)
-    return attend(model, q, keys, values, mask=mask)[:, :, :m]
+    first = start // QUERY_TILE * QUERY_TILE
+    end = -(-n // QUERY_TILE) * QUERY_TILE
+    q = F.pad(q, (0, 0, start - first, end - n))  # zero queries around the computed ones: outputs dropped
+    width = -(-end // KEY_BLOCK) * KEY_BLOCK
+    keys, values = _spread(keys, spec.num_heads, width), _spread(values, spec.num_heads, width)
+    window = spec.window_at(index)
+    outs = []
+    for tile_start in range(first, end, QUERY_TILE):
+        seen = -(-(tile_start + QUERY_TILE) // KEY_BLOCK) * KEY_BLOCK
+        mask = masks.get((tile_start, window))
+        if mask is None:
+            q_positions = torch.arange(tile_start, tile_start + QUERY_TILE, device=q.device)
+            k_positions = torch.arange(seen, device=q.device)
+            sliding = window_mask(model, index, q_positions, k_positions)
+            mask = masks[(tile_start, window)] = both(causal_mask(q_positions, k_positions), sliding)
+        rows = slice(tile_start - first, tile_start - first + QUERY_TILE)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, rows], keys[:, :, :seen], values[:, :, :seen], attn_mask=mask, scale=model.scaling
+            )
+        )
+    return torch.cat(outs, dim=2)[:, :, start - first : start - first + m]
 
 
-def finish(model: EngineModel, index: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """Output projection, residual, post-attention norm, MLP, residual. h [m, hidden] -> [m, hidden]."""
-    layer = model.layers[index]
+def _spread(kv: torch.Tensor, heads: int, width: int) -> torch.Tensor:
+    """[1, Hkv, n, D] -> [1, heads, width, D]: each KV head repeated for its group of query heads
+    (once per layer, not in every tile's call), zero keys after the n real ones (masked)."""
+    _, kv_heads, n, dim = kv.shape
+    out = kv.new_zeros(1, kv_heads, heads // kv_heads, width, dim)
+    out[:, :, :, :n] = kv[:, :, None]
+    return out.view(1, heads, width, dim)
+
+
+def finish(
+    model: EngineModel, index: int, h: torch.Tensor, attn_out: torch.Tensor, tile: int | None = None, offset: int = 0
+) -> torch.Tensor:
+    """Output projection, residual, post-attention norm, MLP, residual. h [m, hidden] -> [m, hidden].
+    tile, offset: as project_qkv's."""
     m = h.shape[0]
-    h = padded(model, h)  # every row-wise step below on the padded rows; [:m] at the end
-    out = layer.self_attn.o_proj(padded(model, attn_out.transpose(1, 2).reshape(m, -1)))
-    if model.family.sandwich_norm:
+    rows = functools.partial(_finish_rows, model.layers[index], model.family.sandwich_norm)
+    return tiled(rows, tile, offset, h, attn_out.transpose(1, 2).reshape(m, -1))
+
+
+def _finish_rows(layer, sandwich_norm: bool, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """h [rows, hidden], attn_out [rows, H * D] -> [rows, hidden]."""
+    out = layer.self_attn.o_proj(attn_out)
+    if sandwich_norm:
         h = h + layer.post_attention_layernorm(out)
-        return (h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h))))[:m]
+        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
     h = h + out
-    return (h + layer.mlp(layer.post_attention_layernorm(h)))[:m]
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def window_scores(
@@ -231,9 +235,42 @@ def window_probs(
     return torch.softmax(logits, dim=-1)
 
 
-def logits_of(model: EngineModel, h: torch.Tensor) -> torch.Tensor:
-    """Final norm and lm_head on rows that each predict a next token. [m, hidden] -> [m, vocab]."""
-    logits = model.lm_head(model.norm(padded(model, h)))[: h.shape[0]]
+def logits_of(model: EngineModel, h: torch.Tensor, tile: int | None = None) -> torch.Tensor:
+    """Final norm and lm_head on rows that each predict a next token. [m, hidden] -> [m, vocab]
+    in float32. tile: as project_qkv's (offset 0)."""
+    return tiled(functools.partial(_logit_rows, model), tile, 0, h).float()
+
+
+def row_steps(model: EngineModel) -> dict:
+    """What invariant.check_decode_tile checks, with its input tiles: the row-wise steps of the
+    first layer (every layer has the same shapes) and of the LM head on random rows, and each of
+    their products on rows whose sums show their order."""
+    from shared.engine.invariant import cancelling_rows, random_rows
+
+    spec, first, dtype = model.spec, model.layers[0], model.dtype
+    generator = torch.Generator().manual_seed(0)
+    steps = {
+        "q/k/v projections": (
+            functools.partial(_qkv_rows, first, model.family.qk_norm, spec),
+            (random_rows(spec.hidden_size, dtype, generator),),
+        ),
+        "output projection and MLP": (
+            functools.partial(_finish_rows, first, model.family.sandwich_norm),
+            (
+                random_rows(spec.hidden_size, dtype, generator),
+                random_rows(spec.num_heads * spec.head_dim, dtype, generator),
+            ),
+        ),
+        "LM head": (functools.partial(_logit_rows, model), (random_rows(spec.hidden_size, dtype, generator),)),
+    }
+    linears = {name: module for name, module in first.named_modules() if isinstance(module, torch.nn.Linear)}
+    for name, module in {**linears, "lm_head": model.lm_head}.items():
+        steps[name] = (module, (cancelling_rows(module.weight, generator).to(model.device),))
+    return steps
+
+
+def _logit_rows(model: EngineModel, h: torch.Tensor) -> torch.Tensor:
+    logits = model.lm_head(model.norm(h))
     if model.final_softcap is not None:  # as the LM's forward applies it, in the model's dtype
         logits = torch.tanh(logits / model.final_softcap) * model.final_softcap
-    return logits.float()
+    return logits

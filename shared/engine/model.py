@@ -12,7 +12,7 @@ from torch import nn
 
 from shared.contract.model import ModelSpec
 from shared.engine.family import FAMILIES
-from shared.engine.invariant import projections, row_counts
+from shared.engine.invariant import DECODE_TILE, check_decode_tile
 
 
 class EngineModel:
@@ -40,13 +40,9 @@ class EngineModel:
         self.scaling = self.layers[0].self_attn.scaling
         # Gemma 2's tanh cap on the logits (None for Gemma 3 and the others), as the LM head applies it.
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        # rows[m]: the row count a call of m rows is padded to (layer.padded), so that no row's
-        # numbers depend on how many were computed with it.
-        self.rows: tuple[int, ...] = ()
-        self.set_batch_invariant(True)
-        # Whether SDPA's CPU kernel may switch to packed AMX brgemm by the number of queries (in
-        # bfloat16 and float16, where the CPU has AMX tiles): layer.prompt_attention pads for it.
-        self.sdpa_packs = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16) and _has_amx()
+        # The rows of a decode step's calls: DECODE_TILE with batch invariance on, else None (one
+        # call of the step's rows). Prompt rows are always computed in fixed tiles (invariant.py).
+        self.decode_tile: int | None = None
 
     @torch.inference_mode()
     def _rope_table(self, rotary_emb: nn.Module, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,13 +55,22 @@ class EngineModel:
         return cos[0], sin[0]
 
     def set_batch_invariant(self, on: bool) -> None:
-        """Pad small projection calls (on, the default) or leave them to the BLAS's own small-call
-        kernels (off: faster where those are, and a row's numbers depend on the call's size)."""
-        self.rows = row_counts(projections(self.layers, self.lm_head)) if on else ()
+        """Decode steps in calls of DECODE_TILE rows (on: a sequence's numbers do not depend on
+        what it is batched with; at the cost of the tile's padded rows) or in one call of the
+        step's rows (off, the default). Turning it on checks that this host computes every row of
+        such a call alike (invariant.check_decode_tile), once per process and shape."""
+        if on:
+            key = (self.dtype, torch.get_num_threads(), *(tuple(p.shape) for p in self.hf.parameters()))
+            if key not in _checked:
+                from shared.engine.layer import row_steps  # layer.py imports this module
+
+                check_decode_tile(row_steps(self))
+                _checked.add(key)
+        self.decode_tile = DECODE_TILE if on else None
 
     @property
     def batch_invariant(self) -> bool:
-        return bool(self.rows)
+        return self.decode_tile is not None
 
     @property
     def dtype_name(self) -> str:
@@ -77,8 +82,4 @@ class EngineModel:
         return self.hf.config
 
 
-def _has_amx() -> bool:
-    try:
-        return bool(torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # a torch without the probe: assume the kernel may pack
-        return True
+_checked: set[tuple] = set()  # (dtype, threads, parameter shapes) whose decode tile was checked

@@ -24,6 +24,7 @@ import torch
 
 from shared.compute import require_compute_thread
 from shared.engine.cache import BoundaryStates, LazyCache, QueryWindow
+from shared.engine.invariant import PROMPT_TILE
 from shared.engine.layer import (
     attend,
     both,
@@ -136,7 +137,10 @@ class PrefillRun:
             self.h = model.embed_tokens(self.ids.to(model.device))
         positions, h = self.positions, self.h
         n = self.num_prompt
-        q, k, v = project_qkv(model, index, h, positions)
+        # Prompt rows in fixed tiles, each row at offset (its position) mod PROMPT_TILE: a hit's new
+        # rows sit where a prefill from scratch computes them (shared/engine/invariant.py).
+        offset = int(positions[0])
+        q, k, v = project_qkv(model, index, h, positions, PROMPT_TILE, offset)
         hit = self.prefix is not None and index < self.prefix.layers
         if hit:
             # The cached rows first (positions 0..p-1), then the new ones: the layer stays sorted.
@@ -168,7 +172,7 @@ class PrefillRun:
                     out = attend(model, q, keys, values, mask=mask)
                 else:
                     out = attend(model, q, k, v, is_causal=True)
-            h = finish(model, index, h, out)
+            h = finish(model, index, h, out, PROMPT_TILE, offset)
             if hit and index == self.prefix.layers - 1:
                 # Leaving the last shared layer: the cached tokens rejoin from their stored states.
                 h = torch.cat([self.prefix.hidden.to(model.device), h])

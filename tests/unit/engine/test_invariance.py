@@ -7,10 +7,10 @@ with sliding-window layers) and on SmolLM2:
   shorter or longer prompt computed);
 - a prefill from a prefix-cache hit equals one from scratch, logits and the decode after it, with
   pruning off and on, also when the hit leaves only a few tokens to compute;
-- each sequence of a batch of 16 decodes as it does alone;
+- each sequence of a batch of 16 decodes as it does alone, with batch invariance on;
 - a cache sent by a prefill worker decodes as the receiver's own prefill does.
-What makes them hold: prefill attention with its keys and queries padded to whole blocks of the
-CPU kernel, and padded small projections (shared/engine/layer.py, shared/engine/invariant.py).
+What makes them hold: calls of fixed shapes, a prompt row at a fixed offset of its tile
+(shared/engine/invariant.py has the argument); the checks of its premises are here too.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 from helpers import assemble, encode_transfer
 
 from shared.engine import OFF, PrefillRun, PruneConfig, SamplingParams, decode_batch, prefill
-from shared.engine.layer import padded
+from shared.engine.invariant import DECODE_TILE, cancelling_rows, check_decode_tile, tiled
+from shared.engine.layer import row_steps
 from shared.engine.prefix import PrefixCache, block_keys, held_layers, namespace
 
 DTYPES = ["float32", "bfloat16"]
@@ -129,7 +130,7 @@ def test_a_hit_equals_a_prefill_from_scratch(load, name, dtype, config_name, new
     first = torch.cat([document, _ids(loaded, short - cached, 3)])
     if new_tokens == "question":
         prompt = torch.cat([document, _ids(loaded, long - cached, 4)])
-    else:  # five rows: the projections of a small call, padded
+    else:  # five rows: one tile, mostly zero rows, where scratch has the document's
         prompt = torch.cat([document, _ids(loaded, 5, 4)])
     block = 16
     root = namespace(loaded.name, dtype, held_layers(config, model.spec.num_layers))
@@ -156,6 +157,16 @@ def test_each_of_a_batch_of_16_decodes_as_it_does_alone(load, name, dtype, confi
     loaded = load(name, dtype)
     model = loaded.engine
     config = _configs(loaded)[config_name]
+    was = model.batch_invariant
+    model.set_batch_invariant(True)
+    try:
+        _batch_of_16(loaded, config, config_name)
+    finally:
+        model.set_batch_invariant(was)
+
+
+def _batch_of_16(loaded, config, config_name):
+    model, name = loaded.engine, loaded.name
     together, alone = [], []
     for i in range(16):
         ids = _ids(loaded, 40 + 13 * i, 10 + i)
@@ -189,46 +200,51 @@ def test_a_transferred_cache_decodes_as_the_receivers_own_prefill(load, name, dt
 
 
 @pytest.mark.parametrize(("name", "dtype"), models())
-def test_padded_projections_compute_each_row_as_a_large_call(load, name, dtype):
-    """The probe's row counts hold on this host for every call size a step makes: 1 to 40 rows
-    of a 256-row call, through every projection and the LM head, on the model's own weights."""
+def test_every_row_of_a_decode_tile_computes_alike(load, name, dtype):
+    """The premise of batch invariance (invariant.py, property 3) on this host, on the model's
+    own weights: every shift of a tile through the row-wise steps gives the same rows, shifted."""
     model = load(name, dtype).engine
-    layer = model.layers[0]
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(256, model.spec.hidden_size, generator=generator).to(model.dtype)
-    with torch.inference_mode():
-        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_proj, model.lm_head):
-            full = module(x)
-            for m in range(1, 41):
-                for start in range(0, 256 - m + 1, max(m, 32)):
-                    rows = module(padded(model, x[start : start + m]))[:m]
-                    assert torch.equal(rows, full[start : start + m]), f"{m} rows at {start}"
+    check_decode_tile(row_steps(model))
 
 
-@pytest.mark.parametrize("config_name", ["off", "pruned"])
-def test_a_hit_equals_scratch_with_the_query_padding_of_amx_hosts(load, config_name):
-    """Where SDPA may pack (AMX, bfloat16), prefill calls get at least 64 query rows; this host's
-    kernel does not pack, so here the padding itself must change no number either."""
-    loaded = load("tiny-llama", "bfloat16")
-    model = loaded.engine
-    packs = model.sdpa_packs
-    model.sdpa_packs = True
-    try:
-        test_a_hit_equals_a_prefill_from_scratch(load, "tiny-llama", "bfloat16", config_name, "few")
-        ids = _ids(loaded, 229, 1)
-        a, b = _run(model, ids[:150], OFF), _run(model, ids, OFF)
-        for mine, theirs in zip(a.cache.layers, b.cache.layers):
-            assert torch.equal(mine.k[:, :, :150], theirs.k[:, :, :150])
-    finally:
-        model.sdpa_packs = packs
+def test_the_tile_check_refuses_a_kernel_that_sums_a_row_by_its_position():
+    """A product that sums the last row of a call in the other order, as a BLAS's kernel for a
+    partial block of rows may: the check must refuse it, in bfloat16 too, where the rounding of
+    the outputs hides most such differences from random rows."""
+    generator = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(64, 256, generator=generator).to(dtype)
+
+        def product(x, weight=weight):
+            rows = x @ weight.T
+            rows[-1] = (x[-1].float().flip(0) @ weight.float().flip(1).T).to(x.dtype)
+            return rows
+
+        with pytest.raises(RuntimeError, match="by their position"):
+            check_decode_tile({"product": (product, (cancelling_rows(weight, generator),))})
 
 
-def test_batch_invariance_turned_off_leaves_small_calls_unpadded(load):
+def test_a_tiled_call_puts_each_row_at_its_offset_in_calls_of_one_shape():
+    seen = []
+
+    def rows(x):
+        seen.append(x.clone())
+        return x * 2, x + 1
+
+    x = torch.arange(1, 8, dtype=torch.float32)[:, None].repeat(1, 3)  # 7 rows at positions 45..51
+    doubled, shifted = tiled(rows, 16, 45, x)
+    assert torch.equal(doubled, x * 2) and torch.equal(shifted, x + 1)
+    assert [tile.shape[0] for tile in seen] == [16, 16]  # 45 mod 16 = 13: rows 13..15, then 0..3
+    assert torch.equal(seen[0][13:], x[:3]) and torch.equal(seen[1][:4], x[3:])
+    assert not seen[0][:13].any() and not seen[1][4:].any()
+    assert tiled(rows, None, 45, x)[0] is not None and len(seen) == 3  # None: one plain call
+
+
+def test_batch_invariance_is_off_by_default_and_turns_decode_tiles_on(load):
     model = load("tiny-llama", "float32").engine
-    x = torch.ones(1, model.spec.hidden_size)
-    assert model.batch_invariant and padded(model, x).shape[0] == model.rows[1] >= 4
-    model.set_batch_invariant(False)
+    assert not model.batch_invariant and model.decode_tile is None
+    model.set_batch_invariant(True)
     try:
-        assert not model.batch_invariant and padded(model, x) is x
+        assert model.batch_invariant and model.decode_tile == DECODE_TILE
     finally:
-        model.set_batch_invariant(True)
+        model.set_batch_invariant(False)
