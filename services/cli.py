@@ -181,9 +181,9 @@ def add_batch_invariant_flag(parser: argparse.ArgumentParser) -> None:
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="a sequence's tokens do not depend on what it is batched with (on by default; "
-        "LAZYSERVE_BATCH_INVARIANT): small projection calls are padded, which float32 decode of one "
-        "sequence pays most (docs/results.md)",
+        help="a sequence's tokens do not depend on what it is batched with (off by default; "
+        "LAZYSERVE_BATCH_INVARIANT): decode steps run in calls of 16 rows, which a small batch pays for "
+        "(docs/results.md); prefix-cache hits and either route equal a prefill from scratch either way",
     )
 
 
@@ -317,11 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         add_help=False,
-        help="benchmarks: ttft, decode, step, disagg, serve, interference, prefix, threads "
+        help="benchmarks: ttft, decode, step, disagg, serve, interference, prefix, threads, invariance "
         "(bench NAME --help: its flags)",
     )
     bench.add_argument(
-        "name", choices=["ttft", "decode", "step", "disagg", "serve", "interference", "prefix", "threads"]
+        "name", choices=["ttft", "decode", "step", "disagg", "serve", "interference", "prefix", "threads", "invariance"]
     )
 
     sub.add_parser(

@@ -179,7 +179,7 @@ class UpOptions:
     threads: int | None = None  # None: each worker sizes itself to the host's cores
     dtype: str | None = None  # None: LAZYSERVE_DTYPE, else auto
     enable_prefix_caching: bool | None = None  # None: LAZYSERVE_ENABLE_PREFIX_CACHING, else on
-    batch_invariant: bool | None = None  # the workers'; None: LAZYSERVE_BATCH_INVARIANT, else on
+    batch_invariant: bool | None = None  # the workers'; None: LAZYSERVE_BATCH_INVARIANT, else off
     prefix_cache_bytes: str | None = None  # each worker's; None: LAZYSERVE_PREFIX_CACHE_BYTES, else 2 GiB
     local_threshold: int | None = None
     pruning_preset: str | None = None

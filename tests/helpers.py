@@ -87,9 +87,10 @@ def compare_with_transformers(loaded, ids: torch.Tensor, steps: int = 16) -> Non
     bfloat16: six steps of the largest logit's spacing, see test_bfloat16), and greedy tokens that
     transformers ranks first at every step.
 
-    The engine's decode rows are computed as rows of a large call are (shared/engine/invariant.py:
-    the same numbers alone or in a batch), while generate() multiplies a single row with the
-    matrix-vector kernel, whose sums round differently. So each step is checked teacher-forced:
+    The engine computes a prompt's rows in tiles of 64 (shared/engine/invariant.py), where
+    transformers makes one call of the prompt's length, and the two can sum a row otherwise; so
+    can a decode step's call of 16 rows under --batch-invariant against generate()'s single row.
+    So each step is checked teacher-forced:
     transformers' forward over the prompt and our tokens must rank our token first, within the
     same bound as the first logits. Where it ties, generate() may take the other token and both
     continue differently; anywhere else the tokens are generate()'s."""

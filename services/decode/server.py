@@ -256,6 +256,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             dtype=self.model.dtype_name,
             device=str(self.model.device),
             torch_threads=self.torch_threads,
+            batch_invariant=self.model.batch_invariant,
             **self._prefix_status(),
         )
 

@@ -83,8 +83,8 @@ class Channels:
 
 
 async def decode_status(channels: Channels, worker: WorkerInfo, timeout: float = 2.0) -> dict:
-    """What a decode worker reports of itself (model, dtype, device, threads, load); an error entry if it
-    does not answer in time."""
+    """What a decode worker reports of itself (model, dtype, device, threads, batch invariance,
+    load); an error entry if it does not answer in time."""
     stub = pb_grpc.DecodeServiceStub(channels.get(worker.address))
     entry = {"role": worker.role, "address": worker.address, "model": worker.model}
     try:
@@ -95,6 +95,7 @@ async def decode_status(channels: Channels, worker: WorkerInfo, timeout: float =
         "dtype": status.dtype,
         "device": status.device,
         "torch_threads": status.torch_threads,
+        "batch_invariant": status.batch_invariant,
         "sequences_active": status.sequences_active,
         "bytes_held": status.bytes_held,
         "prefix_cache": {

@@ -30,7 +30,10 @@ exact zeros to its sums (their exp is 0; the running max and the rescaling facto
 not change), so which masked keys a call holds changes nothing either. Deeper layers, past the
 first cut, compute the same list of rows in a hit and from scratch: same calls, (1) alone.
 
-Decode rows (`decode_tile`, on with `--batch-invariant`). A decode step computes each sequence's
+Both are on with `--batch-invariant` (`EngineModel.set_batch_invariant`); off, every step is one
+plain call of its rows, as transformers computes them.
+
+Decode rows (`decode_tile`). A decode step computes each sequence's
 new token and revived rows, packed one sequence after another, so a row's offset in its tile
 depends on the batch: this needs a third property, checked rather than assumed.
 3. Position uniformity: within a call of DECODE_TILE rows, every row position is computed by the
@@ -55,9 +58,11 @@ from collections.abc import Callable
 
 import torch
 
-PROMPT_TILE = 64
+# Tile sizes trade a prefill's calls (small tiles: more of them, each less efficient) against what
+# a prefix hit computes in vain (up to a tile of zero rows at each shared layer); docs/results.md.
+PROMPT_TILE = 128
 DECODE_TILE = 16
-QUERY_TILE = 64  # an SDPA call of fewer than 192 query rows splits them into blocks of 32: two whole blocks
+QUERY_TILE = 256  # cpu_flash_attention splits 192 to 767 query rows into blocks of 64: four whole blocks
 KEY_BLOCK = 512  # the CPU flash kernel's block of keys (cpu_flash_attention's kv_split_size)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from shared.contract.model import ModelSpec
 from shared.engine.family import FAMILIES
-from shared.engine.invariant import DECODE_TILE, check_decode_tile
+from shared.engine.invariant import DECODE_TILE, PROMPT_TILE, check_decode_tile
 
 
 class EngineModel:
@@ -40,8 +40,9 @@ class EngineModel:
         self.scaling = self.layers[0].self_attn.scaling
         # Gemma 2's tanh cap on the logits (None for Gemma 3 and the others), as the LM head applies it.
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        # The rows of a decode step's calls: DECODE_TILE with batch invariance on, else None (one
-        # call of the step's rows). Prompt rows are always computed in fixed tiles (invariant.py).
+        # The rows of each call of a prefill and of a decode step: PROMPT_TILE and DECODE_TILE with
+        # batch invariance on (invariant.py), else None: one call of the rows.
+        self.prompt_tile: int | None = None
         self.decode_tile: int | None = None
 
     @torch.inference_mode()
@@ -55,10 +56,11 @@ class EngineModel:
         return cos[0], sin[0]
 
     def set_batch_invariant(self, on: bool) -> None:
-        """Decode steps in calls of DECODE_TILE rows (on: a sequence's numbers do not depend on
-        what it is batched with; at the cost of the tile's padded rows) or in one call of the
-        step's rows (off, the default). Turning it on checks that this host computes every row of
-        such a call alike (invariant.check_decode_tile), once per process and shape."""
+        """On: calls of fixed shapes (invariant.py), so that a token's numbers do not depend on
+        what else is computed with it (the batch, a prefix hit, the prompt's length), at the cost
+        of the tiles' zero rows. Off (the default): one call of each step's rows. Turning it on
+        checks that this host computes every row of a decode tile alike
+        (invariant.check_decode_tile), once per process and shape."""
         if on:
             key = (self.dtype, torch.get_num_threads(), *(tuple(p.shape) for p in self.hf.parameters()))
             if key not in _checked:
@@ -66,7 +68,7 @@ class EngineModel:
 
                 check_decode_tile(row_steps(self))
                 _checked.add(key)
-        self.decode_tile = DECODE_TILE if on else None
+        self.prompt_tile, self.decode_tile = (PROMPT_TILE, DECODE_TILE) if on else (None, None)
 
     @property
     def batch_invariant(self) -> bool:

@@ -24,7 +24,6 @@ import torch
 
 from shared.compute import require_compute_thread
 from shared.engine.cache import BoundaryStates, LazyCache, QueryWindow
-from shared.engine.invariant import PROMPT_TILE
 from shared.engine.layer import (
     attend,
     both,
@@ -137,10 +136,10 @@ class PrefillRun:
             self.h = model.embed_tokens(self.ids.to(model.device))
         positions, h = self.positions, self.h
         n = self.num_prompt
-        # Prompt rows in fixed tiles, each row at offset (its position) mod PROMPT_TILE: a hit's new
-        # rows sit where a prefill from scratch computes them (shared/engine/invariant.py).
-        offset = int(positions[0])
-        q, k, v = project_qkv(model, index, h, positions, PROMPT_TILE, offset)
+        # With batch invariance, prompt rows in fixed tiles, each row at offset (its position) mod
+        # PROMPT_TILE: a hit's new rows sit where a prefill from scratch computes them (invariant.py).
+        tile, offset = model.prompt_tile, int(positions[0])
+        q, k, v = project_qkv(model, index, h, positions, tile, offset)
         hit = self.prefix is not None and index < self.prefix.layers
         if hit:
             # The cached rows first (positions 0..p-1), then the new ones: the layer stays sorted.
@@ -162,7 +161,7 @@ class PrefillRun:
             self._masks.clear()  # a finished run may be held for decode: not its masks
             self._prompt_masks.clear()
         else:
-            if key_positions.shape[0] == n:
+            if key_positions.shape[0] == n and tile is not None:
                 # Every prompt token has K here (no stage has pruned yet): the rows computed are a
                 # run of positions to the end, computed as every prompt computes them.
                 out = prompt_attention(model, index, q, keys, values, int(positions[0]), self._prompt_masks)
@@ -172,7 +171,7 @@ class PrefillRun:
                     out = attend(model, q, keys, values, mask=mask)
                 else:
                     out = attend(model, q, k, v, is_causal=True)
-            h = finish(model, index, h, out, PROMPT_TILE, offset)
+            h = finish(model, index, h, out, tile, offset)
             if hit and index == self.prefix.layers - 1:
                 # Leaving the last shared layer: the cached tokens rejoin from their stored states.
                 h = torch.cat([self.prefix.hidden.to(model.device), h])

@@ -40,10 +40,11 @@ class EngineSettings(BaseSettings):
         True, description="reuse the layers before the first cut of a prompt's cached start (vLLM's flag)"
     )
     batch_invariant: bool = Field(
-        True,
-        description="pad small projection calls so that a sequence's numbers do not depend on what it is "
-        "batched with (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference); off saves the padded "
-        "rows' work, which float32 decode of one sequence pays most",
+        False,
+        description="decode steps in calls of a fixed 16 rows, so that a sequence's tokens do not depend on "
+        "what it is batched with (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference); off by "
+        "default for what the padded rows cost a small batch (docs/results.md). Prompt rows, and so the "
+        "prefix cache and the route, change no bit either way",
     )
     # 2 GiB per worker: `up` runs two (prefill and decode), so 4 GiB of a 24 GiB host, next to
     # two copies of the weights and the running sequences. At SmolLM2's default preset (19 of 30

@@ -41,9 +41,9 @@ def test_prefill_niceness_reaches_the_prefill_settings(monkeypatch):
         PrefillSettings(niceness=20)
 
 
-def test_batch_invariance_is_on_unless_turned_off(monkeypatch):
-    """`--no-batch-invariant` (or LAZYSERVE_BATCH_INVARIANT=false) reaches each worker's engine
-    settings; without either it is on."""
+def test_batch_invariance_is_off_unless_turned_on(monkeypatch):
+    """`--batch-invariant` (or LAZYSERVE_BATCH_INVARIANT=true) reaches each worker's engine
+    settings, as `--no-batch-invariant` does; without either it is off."""
     from services.cli import _service_overrides
     from services.decode.settings import DecodeSettings
 
@@ -54,6 +54,8 @@ def test_batch_invariance_is_on_unless_turned_off(monkeypatch):
         assert args.batch_invariant is False
     args = build_parser().parse_args(["decode-worker", "--no-batch-invariant"])
     assert DecodeSettings(**_service_overrides(args, ())).engine.batch_invariant is False
-    assert DecodeSettings().engine.batch_invariant is True
-    monkeypatch.setenv("LAZYSERVE_BATCH_INVARIANT", "false")
+    args = build_parser().parse_args(["decode-worker", "--batch-invariant"])
+    assert DecodeSettings(**_service_overrides(args, ())).engine.batch_invariant is True
     assert DecodeSettings().engine.batch_invariant is False
+    monkeypatch.setenv("LAZYSERVE_BATCH_INVARIANT", "true")
+    assert DecodeSettings().engine.batch_invariant is True

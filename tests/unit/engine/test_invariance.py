@@ -7,10 +7,11 @@ with sliding-window layers) and on SmolLM2:
   shorter or longer prompt computed);
 - a prefill from a prefix-cache hit equals one from scratch, logits and the decode after it, with
   pruning off and on, also when the hit leaves only a few tokens to compute;
-- each sequence of a batch of 16 decodes as it does alone, with batch invariance on;
+- each sequence of a batch of 16 decodes as it does alone;
 - a cache sent by a prefill worker decodes as the receiver's own prefill does.
-What makes them hold: calls of fixed shapes, a prompt row at a fixed offset of its tile
-(shared/engine/invariant.py has the argument); the checks of its premises are here too.
+What makes them hold, with batch invariance on (as every model here runs): calls of fixed shapes,
+a prompt row at a fixed offset of its tile (shared/engine/invariant.py has the argument); the
+checks of its premises are here too. Off, the engine makes one plain call of each step's rows.
 """
 
 from __future__ import annotations
@@ -20,11 +21,31 @@ import torch
 from helpers import assemble, encode_transfer
 
 from shared.engine import OFF, PrefillRun, PruneConfig, SamplingParams, decode_batch, prefill
-from shared.engine.invariant import DECODE_TILE, cancelling_rows, check_decode_tile, tiled
+from shared.engine.invariant import DECODE_TILE, PROMPT_TILE, cancelling_rows, check_decode_tile, tiled
 from shared.engine.layer import row_steps
 from shared.engine.prefix import PrefixCache, block_keys, held_layers, namespace
 
 DTYPES = ["float32", "bfloat16"]
+
+
+@pytest.fixture
+def load(load):
+    """The session's loader, with batch invariance turned on for every model this file uses (off
+    again after each test: it is off by default)."""
+    turned = []
+
+    def loader(name, dtype):
+        loaded = load(name, dtype)
+        if not loaded.engine.batch_invariant:
+            loaded.engine.set_batch_invariant(True)
+            turned.append(loaded.engine)
+        return loaded
+
+    yield loader
+    for model in turned:
+        model.set_batch_invariant(False)
+
+
 LAZY = PruneConfig(stages=((1, 0.5), (3, 0.2)), window=4)
 STEPS = 4
 
@@ -157,16 +178,6 @@ def test_each_of_a_batch_of_16_decodes_as_it_does_alone(load, name, dtype, confi
     loaded = load(name, dtype)
     model = loaded.engine
     config = _configs(loaded)[config_name]
-    was = model.batch_invariant
-    model.set_batch_invariant(True)
-    try:
-        _batch_of_16(loaded, config, config_name)
-    finally:
-        model.set_batch_invariant(was)
-
-
-def _batch_of_16(loaded, config, config_name):
-    model, name = loaded.engine, loaded.name
     together, alone = [], []
     for i in range(16):
         ids = _ids(loaded, 40 + 13 * i, 10 + i)
@@ -240,11 +251,11 @@ def test_a_tiled_call_puts_each_row_at_its_offset_in_calls_of_one_shape():
     assert tiled(rows, None, 45, x)[0] is not None and len(seen) == 3  # None: one plain call
 
 
-def test_batch_invariance_is_off_by_default_and_turns_decode_tiles_on(load):
+def test_batch_invariance_turns_the_fixed_tiles_on_and_off(load):
     model = load("tiny-llama", "float32").engine
-    assert not model.batch_invariant and model.decode_tile is None
-    model.set_batch_invariant(True)
+    assert model.batch_invariant and (model.prompt_tile, model.decode_tile) == (PROMPT_TILE, DECODE_TILE)
+    model.set_batch_invariant(False)
     try:
-        assert model.batch_invariant and model.decode_tile == DECODE_TILE
+        assert not model.batch_invariant and model.prompt_tile is None and model.decode_tile is None
     finally:
-        model.set_batch_invariant(False)
+        model.set_batch_invariant(True)
