@@ -8,7 +8,8 @@ so each TTFT is the request's own:
 - conversations: --conversations conversations of --turns turns over a long first message; each
   turn re-sends the earlier turns with their answers.
 Both run through `lazyserve up` (its own processes, the prefill actor on a local Ray) with the
-cache on and with it off (`--no-enable-prefix-caching`), one after the other in one run. Then the
+cache on and with it off (`--no-enable-prefix-caching`), one after the other in one run, with
+`--batch-invariant` unless --no-batch-invariant (the engine likewise). Then the
 same in-process: the engine's prefill of a document's question from scratch against from the
 cached document (medians of --repeats after a warm-up), with no gateway, transfer or decode.
 
@@ -150,6 +151,7 @@ def _up(args, caching: bool, port: int):
     command += ["--prefill-port", str(port + 20)]
     command += ["--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
     command += ["--dtype", args.dtype] if args.dtype else []
+    command += ["--batch-invariant" if args.batch_invariant else "--no-batch-invariant"]
     process = subprocess.Popen(  # noqa: S603 -- this interpreter running our own CLI
         [sys.executable, "-m", "services.cli", *command], stdout=subprocess.PIPE, text=True, env=dict(os.environ)
     )
@@ -201,6 +203,7 @@ def in_process(args) -> dict:
     tune_malloc()  # as every worker does
     loaded = load_model(args.model, dtype=args.dtype or "auto")
     model = loaded.engine
+    model.set_batch_invariant(args.batch_invariant)
     config = model.spec.preset("default")
     document = long_text_ids(loaded.tokenizer, args.doc_tokens, model.spec.vocab_size)
     question = long_text_ids(loaded.tokenizer, args.doc_tokens + 40, model.spec.vocab_size)[-40:]
@@ -343,6 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="in-process: medians of this many after a warm-up")
     parser.add_argument("--modes", nargs="+", choices=["on", "off"], default=["off", "on"])
     parser.add_argument("--no-engine", action="store_true", help="skip the in-process figure")
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the workers' switch, on by default here: the question is whether the cache changes an answer, "
+        "and without it a prefix hit's few rows may be summed otherwise than a prefill's",
+    )
     parser.add_argument("--out", default="out/bench_prefix.json")
     args = parser.parse_args(argv)
 
