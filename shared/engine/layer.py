@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from shared.engine.invariant import KEY_BLOCK, QUERY_TILE, tiled
 from shared.engine.model import EngineModel
+from shared.engine.rows import finish_rows, logit_rows, qkv_rows
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -33,26 +34,13 @@ def project_qkv(
     tile, offset: the rows' calls (invariant.tiled); None, one call of the m rows."""
     spec = model.spec
     m = h.shape[0]
-    q, k, v = tiled(functools.partial(_qkv_rows, model.layers[index], model.family.qk_norm, spec), tile, offset, h)
+    q, k, v = tiled(functools.partial(qkv_rows, model.layers[index], model.family.qk_norm, spec), tile, offset, h)
     q, k = q.view(1, m, spec.num_heads, spec.head_dim), k.view(1, m, spec.num_kv_heads, spec.head_dim)
     v = v.view(1, m, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos_table, sin_table = model.rope[index]
     cos, sin = cos_table[positions], sin_table[positions]  # [m, D], broadcast over heads
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
-
-
-def _qkv_rows(layer, qk_norm: bool, spec, h: torch.Tensor):
-    """h [rows, hidden] -> q [rows, H * D], k and v [rows, Hkv * D], q and k normed per head where
-    the family norms them: every step that works on a row's own numbers."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(h)
-    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    if qk_norm:  # over each head's D
-        rows = h.shape[0]
-        q = attn.q_norm(q.view(rows, spec.num_heads, spec.head_dim)).view(rows, -1)
-        k = attn.k_norm(k.view(rows, spec.num_kv_heads, spec.head_dim)).view(rows, -1)
-    return q, k, v
 
 
 def window_mask(model: EngineModel, index: int, q_positions: torch.Tensor, k_positions: torch.Tensor):
@@ -167,18 +155,8 @@ def finish(
     """Output projection, residual, post-attention norm, MLP, residual. h [m, hidden] -> [m, hidden].
     tile, offset: as project_qkv's."""
     m = h.shape[0]
-    rows = functools.partial(_finish_rows, model.layers[index], model.family.sandwich_norm)
+    rows = functools.partial(finish_rows, model.layers[index], model.family.sandwich_norm)
     return tiled(rows, tile, offset, h, attn_out.transpose(1, 2).reshape(m, -1))
-
-
-def _finish_rows(layer, sandwich_norm: bool, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """h [rows, hidden], attn_out [rows, H * D] -> [rows, hidden]."""
-    out = layer.self_attn.o_proj(attn_out)
-    if sandwich_norm:
-        h = h + layer.post_attention_layernorm(out)
-        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
-    h = h + out
-    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def window_scores(
@@ -238,39 +216,4 @@ def window_probs(
 def logits_of(model: EngineModel, h: torch.Tensor, tile: int | None = None) -> torch.Tensor:
     """Final norm and lm_head on rows that each predict a next token. [m, hidden] -> [m, vocab]
     in float32. tile: as project_qkv's (offset 0)."""
-    return tiled(functools.partial(_logit_rows, model), tile, 0, h).float()
-
-
-def row_steps(model: EngineModel) -> dict:
-    """What invariant.check_decode_tile checks, with its input tiles: the row-wise steps of the
-    first layer (every layer has the same shapes) and of the LM head on random rows, and each of
-    their products on rows whose sums show their order."""
-    from shared.engine.invariant import cancelling_rows, random_rows
-
-    spec, first, dtype = model.spec, model.layers[0], model.dtype
-    generator = torch.Generator().manual_seed(0)
-    steps = {
-        "q/k/v projections": (
-            functools.partial(_qkv_rows, first, model.family.qk_norm, spec),
-            (random_rows(spec.hidden_size, dtype, generator),),
-        ),
-        "output projection and MLP": (
-            functools.partial(_finish_rows, first, model.family.sandwich_norm),
-            (
-                random_rows(spec.hidden_size, dtype, generator),
-                random_rows(spec.num_heads * spec.head_dim, dtype, generator),
-            ),
-        ),
-        "LM head": (functools.partial(_logit_rows, model), (random_rows(spec.hidden_size, dtype, generator),)),
-    }
-    linears = {name: module for name, module in first.named_modules() if isinstance(module, torch.nn.Linear)}
-    for name, module in {**linears, "lm_head": model.lm_head}.items():
-        steps[name] = (module, (cancelling_rows(module.weight, generator).to(model.device),))
-    return steps
-
-
-def _logit_rows(model: EngineModel, h: torch.Tensor) -> torch.Tensor:
-    logits = model.lm_head(model.norm(h))
-    if model.final_softcap is not None:  # as the LM's forward applies it, in the model's dtype
-        logits = torch.tanh(logits / model.final_softcap) * model.final_softcap
-    return logits
+    return tiled(functools.partial(logit_rows, model), tile, 0, h).float()

@@ -13,6 +13,7 @@ from torch import nn
 from shared.contract.model import ModelSpec
 from shared.engine.family import FAMILIES
 from shared.engine.invariant import DECODE_TILE, PROMPT_TILE, check_decode_tile
+from shared.engine.rows import row_steps
 
 
 class EngineModel:
@@ -64,8 +65,6 @@ class EngineModel:
         if on:
             key = (self.dtype, torch.get_num_threads(), *(tuple(p.shape) for p in self.hf.parameters()))
             if key not in _checked:
-                from shared.engine.layer import row_steps  # layer.py imports this module
-
                 check_decode_tile(row_steps(self))
                 _checked.add(key)
         self.prompt_tile, self.decode_tile = (PROMPT_TILE, DECODE_TILE) if on else (None, None)

@@ -22,8 +22,8 @@ from helpers import assemble, encode_transfer
 
 from shared.engine import OFF, PrefillRun, PruneConfig, SamplingParams, decode_batch, prefill
 from shared.engine.invariant import DECODE_TILE, PROMPT_TILE, cancelling_rows, check_decode_tile, tiled
-from shared.engine.layer import row_steps
 from shared.engine.prefix import PrefixCache, block_keys, held_layers, namespace
+from shared.engine.rows import row_steps
 
 DTYPES = ["float32", "bfloat16"]
 

@@ -1,0 +1,74 @@
+"""The row-wise steps of a layer and of the LM head: what each token computes from its own numbers.
+
+Each maps [rows, ...] to [rows, ...] and never mixes rows, so that layer.py can call it on any
+set of tokens, in one call or in the fixed tiles of batch invariance (invariant.py); `row_steps`
+gives invariant.check_decode_tile what to check. It knows the model only as its modules: no
+attention, positions or cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shared.engine.invariant import cancelling_rows, random_rows
+
+
+def qkv_rows(layer, qk_norm: bool, spec, h: torch.Tensor):
+    """Norm and q/k/v projections of one decoder layer: h [rows, hidden] -> q [rows, H * D], k and v
+    [rows, Hkv * D], q and k normed per head where the family norms them (spec: ModelSpec)."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    if qk_norm:  # over each head's D
+        rows = h.shape[0]
+        q = attn.q_norm(q.view(rows, spec.num_heads, spec.head_dim)).view(rows, -1)
+        k = attn.k_norm(k.view(rows, spec.num_kv_heads, spec.head_dim)).view(rows, -1)
+    return q, k, v
+
+
+def finish_rows(layer, sandwich_norm: bool, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """Output projection, residual, the norms around the MLP, MLP, residual of one decoder layer:
+    h [rows, hidden], attn_out [rows, H * D] -> [rows, hidden]."""
+    out = layer.self_attn.o_proj(attn_out)
+    if sandwich_norm:
+        h = h + layer.post_attention_layernorm(out)
+        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+    h = h + out
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def logit_rows(model, h: torch.Tensor) -> torch.Tensor:
+    """Final norm, LM head and the family's cap on the logits (model: EngineModel): [rows, hidden]
+    -> [rows, vocab] in the model's dtype."""
+    logits = model.lm_head(model.norm(h))
+    if model.final_softcap is not None:  # as the LM's forward applies it, in the model's dtype
+        logits = torch.tanh(logits / model.final_softcap) * model.final_softcap
+    return logits
+
+
+def row_steps(model) -> dict:
+    """What invariant.check_decode_tile checks, with its input tiles: the row-wise steps of the
+    first layer (every layer has the same shapes) and of the LM head on random rows, and each of
+    their products on rows whose sums show their order."""
+    spec, first, dtype = model.spec, model.layers[0], model.dtype
+    generator = torch.Generator().manual_seed(0)
+    steps = {
+        "q/k/v projections": (
+            functools.partial(qkv_rows, first, model.family.qk_norm, spec),
+            (random_rows(spec.hidden_size, dtype, generator),),
+        ),
+        "output projection and MLP": (
+            functools.partial(finish_rows, first, model.family.sandwich_norm),
+            (
+                random_rows(spec.hidden_size, dtype, generator),
+                random_rows(spec.num_heads * spec.head_dim, dtype, generator),
+            ),
+        ),
+        "LM head": (functools.partial(logit_rows, model), (random_rows(spec.hidden_size, dtype, generator),)),
+    }
+    linears = {name: module for name, module in first.named_modules() if isinstance(module, torch.nn.Linear)}
+    for name, module in {**linears, "lm_head": model.lm_head}.items():
+        steps[name] = (module, (cancelling_rows(module.weight, generator).to(model.device),))
+    return steps
