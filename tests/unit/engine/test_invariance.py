@@ -16,6 +16,8 @@ checks of its premises are here too. Off, the engine makes one plain call of eac
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import assemble, encode_transfer
@@ -180,10 +182,9 @@ def test_each_of_a_batch_of_16_decodes_as_it_does_alone(load, name, dtype, confi
     config = _configs(loaded)[config_name]
     together, alone = [], []
     for i in range(16):
-        ids = _ids(loaded, 40 + 13 * i, 10 + i)
-        for store in (together, alone):
-            cache, logits = prefill(model, ids, config, reserve=STEPS)
-            store.append([cache, int(logits.argmax()), config])
+        cache, logits = prefill(model, _ids(loaded, 40 + 13 * i, 10 + i), config, reserve=STEPS)
+        together.append([cache, int(logits.argmax()), config])
+        alone.append([copy.deepcopy(cache), int(logits.argmax()), config])
     for step in range(STEPS):
         rows = decode_batch(model, [tuple(item) for item in together])
         for i, item in enumerate(alone):
