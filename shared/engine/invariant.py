@@ -13,7 +13,9 @@ from host to host (on an AMX Xeon in bfloat16, SmolLM2's down_proj agrees with a
 BLAS which counts it computes alike. Every call a row takes part in has one shape, fixed in
 advance, and the argument rests on two properties that any matrix product has, whatever kernel
 the host picks:
-1. Determinism: the same call (shape, dtype, thread count, operand values) gives the same bits.
+1. Determinism: the same call (shapes, strides, dtype, thread count, operand values) gives the
+   same bits. Operands are laid out so that their strides do not depend on what else is computed
+   (a tile of a [rows, width] buffer; attention's token-major buffers, layer._spread).
 2. Row independence: a row's outputs depend on that row's inputs alone, not on the other rows'
    values (a product never mixes rows; the sums that run over K run within a row).
 
@@ -33,17 +35,19 @@ first cut, compute the same list of rows in a hit and from scratch: same calls, 
 Both are on with `--batch-invariant` (`EngineModel.set_batch_invariant`); off, every step is one
 plain call of its rows, as transformers computes them.
 
-Decode rows (`decode_tile`). A decode step computes each sequence's
-new token and revived rows, packed one sequence after another, so a row's offset in its tile
-depends on the batch: this needs a third property, checked rather than assumed.
+Decode rows (`decode_tile`). A decode step computes each sequence's new token and revived rows,
+packed one sequence after another, so a row's offset in its tile depends on the batch: this needs
+a third property, checked rather than assumed.
 3. Position uniformity: within a call of DECODE_TILE rows, every row position is computed by the
    same arithmetic. BLAS kernels split K the same way for every row of a call (the blocking over K
    and any split of the sums between threads are per call); rows differ only where a kernel
-   handles a last, partial block of rows with other code. DECODE_TILE = 16 rows is one AMX tile's
-   height and a whole number of the register blocks of the AVX-512 and AVX2 kernels (4, 8, 16),
-   so no row of a tile is in a partial block. `check_decode_tile` verifies this on the model's
-   own weights when the switch is turned on, and refuses it where the host disagrees, instead of
-   serving numbers that depend on the batch.
+   handles a last, partial block of rows with other code. (On the host this was built on, float32
+   calls of 3, 5, 6, 7 and 16 rows computed every position alike, though 5 rows computed unlike a
+   large call.) DECODE_TILE = 16 rows is one AMX
+   tile's height and a whole number of the common register blocks (4, 8, 16), though not of every
+   kernel's. So `check_decode_tile` verifies it on the model's own weights when the switch is
+   turned on, and refuses it where the host disagrees, instead of serving numbers that depend on
+   the batch.
 The row-wise steps that are not products are elementwise or reduce within a row; in a tile of
 fixed shape each runs the same vector loop for every row (16 rows of an even hidden size fill
 whole vectors: no scalar tail, whose exp or tanh would be another function).

@@ -118,7 +118,8 @@ def prompt_attention(
     n, m = keys.shape[2], q.shape[2]
     first = start // QUERY_TILE * QUERY_TILE
     end = -(-n // QUERY_TILE) * QUERY_TILE
-    q = F.pad(q, (0, 0, start - first, end - n))  # zero queries around the computed ones: outputs dropped
+    # Zero queries around the computed ones (outputs dropped), laid out token-major as _spread's keys.
+    q = F.pad(q.transpose(1, 2), (0, 0, 0, 0, start - first, end - n)).transpose(1, 2)
     width = -(-end // KEY_BLOCK) * KEY_BLOCK
     keys, values = _spread(keys, spec.num_heads, width), _spread(values, spec.num_heads, width)
     window = spec.window_at(index)
@@ -142,11 +143,13 @@ def prompt_attention(
 
 def _spread(kv: torch.Tensor, heads: int, width: int) -> torch.Tensor:
     """[1, Hkv, n, D] -> [1, heads, width, D]: each KV head repeated for its group of query heads
-    (once per layer, not in every tile's call), zero keys after the n real ones (masked)."""
+    (once per layer, not in every tile's call), zero keys after the n real ones (masked). Laid out
+    token-major ([1, width, heads, D] in memory), so that a tile's slice [:, :, :k] has the same
+    strides whatever the prompt's length: its call is the same call (invariant.py, property 1)."""
     _, kv_heads, n, dim = kv.shape
-    out = kv.new_zeros(1, kv_heads, heads // kv_heads, width, dim)
-    out[:, :, :, :n] = kv[:, :, None]
-    return out.view(1, heads, width, dim)
+    out = kv.new_zeros(1, width, kv_heads, heads // kv_heads, dim)
+    out[:, :n] = kv.transpose(1, 2)[:, :, :, None]
+    return out.view(1, width, heads, dim).transpose(1, 2)
 
 
 def finish(
