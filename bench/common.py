@@ -92,6 +92,19 @@ def write_json(path: Path, report: dict) -> None:
     path.write_text(json.dumps(report | {"machine": machine()}, indent=2))
 
 
+def runs_per_dtype(args, bench_dtype) -> list[dict]:
+    """bench_dtype(args, dtype, compute) for each of args.dtypes, all on one ComputeThread with
+    args.threads torch threads, as a worker computes (shared.compute says why)."""
+    from shared.compute import ComputeThread
+
+    compute = ComputeThread("bench-compute")
+    try:
+        compute.call(torch.set_num_threads, args.threads)
+        return [bench_dtype(args, dtype, compute) for dtype in args.dtypes]
+    finally:
+        compute.close()
+
+
 def add_decode_workload_arguments(parser, concurrency: list[int], repeats: int) -> None:
     """What the decode benchmarks share: the model, prompts, sequence counts, the configurations
     (presets, and --schedule NAME=JSON as the eval takes it, repeatable), repeats and threads."""

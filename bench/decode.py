@@ -32,6 +32,7 @@ from bench.common import (
     markdown_table,
     pruning_configs,
     reference_text,
+    runs_per_dtype,
     write_json,
 )
 
@@ -292,12 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out/bench_decode.json")
     args = parser.parse_args(argv)
 
-    from shared.compute import ComputeThread
-
-    compute = ComputeThread("bench-compute")
-    compute.call(torch.set_num_threads, args.threads)
-    runs = [bench_dtype(args, dtype, compute) for dtype in args.dtypes]
-    compute.close()
+    runs = runs_per_dtype(args, bench_dtype)
     for run in runs:
         _print_dtype(run)
     across = across_dtypes(runs)

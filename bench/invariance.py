@@ -3,9 +3,9 @@
 Per dtype and pruning preset: time to first token (a prefill of each length) and decode tokens/s
 of each sequence count (batched steps in a plain loop, `bench decode`'s `direct`). Each round runs
 every figure with the switch off, then on; the table gives medians of the rounds after a warm-up
-and on / off. The switch changes only the decode step's calls (tiles of 16 rows); prompt rows are
-computed in fixed tiles either way (shared/engine/invariant.py), so the TTFT ratios show that it
-costs prefill nothing. As in a worker, one ComputeThread loads the model and runs every torch op.
+and on / off. On, a prefill computes its rows in tiles of 128 and its attention in tiles of 256
+queries, a decode step in tiles of 16 rows (shared/engine/invariant.py). As in a worker, one
+ComputeThread loads the model and runs every torch op.
 """
 
 from __future__ import annotations
@@ -15,9 +15,15 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
-from bench.common import add_dtypes_argument, long_text_ids, markdown_table, pruning_configs, write_json
+from bench.common import (
+    add_decode_workload_arguments,
+    add_dtypes_argument,
+    long_text_ids,
+    markdown_table,
+    pruning_configs,
+    runs_per_dtype,
+    write_json,
+)
 from bench.decode import _direct, _prefilled, _prompts
 
 SETTINGS = {"off": False, "on": True}
@@ -34,6 +40,7 @@ def _prefill_s(model, ids, config) -> float:
 def _figures(compute, model, loaded, configs: dict, args) -> dict:
     """name -> zero-argument callable on the compute thread returning (value, unit)."""
     figures = {}
+    prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
     for preset, config in configs.items():
         for length in args.lengths:
             ids = long_text_ids(loaded.tokenizer, length, model.spec.vocab_size)
@@ -41,7 +48,6 @@ def _figures(compute, model, loaded, configs: dict, args) -> dict:
                 lambda ids=ids, c=config: compute.call(_prefill_s, model, ids, c),
                 "s",
             )
-        prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
         prefilled = compute.call(_prefilled, model, prompts, config, args.tokens)
         for count in args.concurrency:
             subset = prefilled[:count]
@@ -57,7 +63,7 @@ def bench_dtype(args, dtype: str, compute) -> dict:
 
     loaded = compute.call(load_model, args.model, dtype=dtype)
     model = loaded.engine
-    configs = pruning_configs(args.presets, [], model.spec)
+    configs = pruning_configs(args.presets, args.schedule, model.spec)
     figures = _figures(compute, model, loaded, configs, args)
     samples = {name: {setting: [] for setting in SETTINGS} for name in figures}
     for round_ in range(args.repeats + 1):  # round 0 warms up
@@ -80,24 +86,14 @@ def bench_dtype(args, dtype: str, compute) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lazyserve bench invariance", description=__doc__)
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    add_decode_workload_arguments(parser, concurrency=[1, 16], repeats=3)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="prompt tokens for TTFT")
-    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per decoding sequence")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens per sequence and run")
-    parser.add_argument("--presets", nargs="+", default=["off", "default"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
     add_dtypes_argument(parser, "each in its own rounds")
     parser.add_argument("--out", default="out/bench_invariance.json")
     args = parser.parse_args(argv)
 
-    from shared.compute import ComputeThread
-
-    compute = ComputeThread("bench-compute")
-    compute.call(torch.set_num_threads, args.threads)
-    runs = [bench_dtype(args, dtype, compute) for dtype in args.dtypes]
-    compute.close()
+    runs = runs_per_dtype(args, bench_dtype)
     for run in runs:
         print(f"\n{run['model']}, {run['dtype']}")
         print(

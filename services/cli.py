@@ -181,9 +181,9 @@ def add_batch_invariant_flag(parser: argparse.ArgumentParser) -> None:
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="a sequence's tokens do not depend on what it is batched with (off by default; "
-        "LAZYSERVE_BATCH_INVARIANT): decode steps run in calls of 16 rows, which a small batch pays for "
-        "(docs/results.md); prefix-cache hits and either route equal a prefill from scratch either way",
+        help="a token's numbers do not depend on what it is batched with, on a prefix hit or on the route "
+        "(off by default; LAZYSERVE_BATCH_INVARIANT): prompts and decode steps run in calls of fixed "
+        "shapes, which costs most where a call has few rows (docs/results.md)",
     )
 
 

@@ -231,7 +231,7 @@ class Gateway:
                 "dtype": w.dtype or answered.get(w.address, {}).get("dtype"),
                 "load": loads[0 if w.role == "decode" else 1].get(w.worker_id, 0.0),
                 "load_unit": "tokens to generate" if w.role == "decode" else "predicted prefill token-layers",
-                # Decode steps in fixed tiles (--batch-invariant); None for prefill workers, not asked.
+                # Calls of fixed shapes (--batch-invariant); None for prefill workers, not asked.
                 "batch_invariant": answered.get(w.address, {}).get("batch_invariant"),
                 # prefill workers are not asked (None)
                 "healthy": "error" not in answered[w.address] if w.address in answered else None,

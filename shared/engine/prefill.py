@@ -164,7 +164,7 @@ class PrefillRun:
             if key_positions.shape[0] == n and tile is not None:
                 # Every prompt token has K here (no stage has pruned yet): the rows computed are a
                 # run of positions to the end, computed as every prompt computes them.
-                out = prompt_attention(model, index, q, keys, values, int(positions[0]), self._prompt_masks)
+                out = prompt_attention(model, index, q, keys, values, offset, self._prompt_masks)
             else:
                 mask = self._mask(index, positions, key_positions, hit)
                 if mask is not None:

@@ -41,10 +41,10 @@ class EngineSettings(BaseSettings):
     )
     batch_invariant: bool = Field(
         False,
-        description="decode steps in calls of a fixed 16 rows, so that a sequence's tokens do not depend on "
-        "what it is batched with (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference); off by "
-        "default for what the padded rows cost a small batch (docs/results.md). Prompt rows, and so the "
-        "prefix cache and the route, change no bit either way",
+        description="calls of fixed shapes (prompt tiles of 128 rows, decode tiles of 16), so that a token's "
+        "numbers do not depend on what it is batched with, on a prefix hit or on the route (vLLM's "
+        "VLLM_BATCH_INVARIANT, SGLang's deterministic inference); off by default for what the tiles cost, "
+        "most of all one sequence's decode (docs/results.md)",
     )
     # 2 GiB per worker: `up` runs two (prefill and decode), so 4 GiB of a 24 GiB host, next to
     # two copies of the weights and the running sequences. At SmolLM2's default preset (19 of 30
