@@ -133,3 +133,24 @@ def pruning_configs(presets: list[str], schedules: list[str], spec) -> dict:
     """name -> PruneConfig: the named presets fitted to the model (spec: ModelSpec), then each
     NAME=JSON schedule."""
     return {name: spec.preset(name) for name in presets} | schedule_configs(schedules, spec)
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """This host's read bandwidth in bytes/s at torch's thread count: the median time of a sum over
+    a buffer too large for any cache (what a decode step's weights and K/V reads are bounded by)."""
+    buffer = torch.ones(megabytes << 18)  # float32: megabytes MiB
+    buffer.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * buffer.element_size() / sorted(times)[len(times) // 2]
+
+
+def step_bytes(model, caches) -> dict:
+    """What one decode step of `caches` must read at the least: every weight once (a tied
+    embedding counted once: the LM head reads it) and every K/V row each cache holds."""
+    weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.hf.parameters()}
+    kv = sum(cache.kv_bytes for cache in caches)
+    return {"weights": sum(weights.values()), "kv": kv, "total": sum(weights.values()) + kv}

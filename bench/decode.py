@@ -11,8 +11,10 @@ each round after a warm-up; the table gives medians and the ratios.
 As in a decode worker, one ComputeThread loads the model and runs every torch op (the prefills,
 the copies, the Scheduler's rounds, the direct loop); the main thread only hands it work.
 
-Also times the one attention choice batching had to make (shared/engine/decode.py): one SDPA call
-per sequence over its own keys, against one call over keys padded to the longest sequence.
+Every row comes with its distance to the memory floor: the bytes a batched step must read (each
+weight once, every K/V row the sequences hold) over this host's read bandwidth, measured in the
+same run. Also times the attention layout the decode worker uses (shared/engine/slots.py): one
+call over a store of every sequence's keys, against one SDPA call per sequence over its own keys.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from bench.common import (
     add_dtypes_argument,
     markdown_table,
     pruning_configs,
+    read_bandwidth,
     reference_text,
     runs_per_dtype,
+    step_bytes,
     write_json,
 )
 
@@ -64,18 +68,22 @@ def _decodings(prefilled, config) -> list:
 
 
 def _direct(model, prefilled, config) -> tuple[float, int]:
-    """The batched steps in a plain loop, on the calling thread: aggregate tokens/s and revived token-layers."""
-    from shared.engine import decode_batch
+    """The batched steps in a plain loop, on the calling thread, from a DecodeSlots as the
+    Scheduler's: aggregate tokens/s and revived token-layers."""
+    from shared.engine import DecodeSlots, decode_batch
 
     decodings = _decodings(prefilled, config)
+    slots = DecodeSlots(model.spec, model.dtype, model.device)
     for decoding, (_, first, _) in zip(decodings, prefilled):
         decoding.accept(first)  # sampled by the prefill, as a transfer's first token: not counted
     start, tokens = time.perf_counter(), 0
     while running := [d for d in decodings if not d.done]:
-        logits = decode_batch(model, [(d.cache, d.next_token, d.config) for d in running])
+        logits = decode_batch(model, [(d.cache, d.next_token, d.config) for d in running], slots)
         for decoding, row in zip(running, logits):
             decoding.advance(row)
             tokens += 1
+            if decoding.done:
+                slots.leave(decoding.cache)
     rate = tokens / (time.perf_counter() - start)
     for decoding in decodings:
         decoding.close(model.spec.num_layers)
@@ -108,7 +116,9 @@ def _run(compute, model, prefilled, config, batch_size: int) -> tuple[float, int
     return tokens / elapsed, sum(s.generation.stats.revived_token_layers for s in sequences)
 
 
-def bench_throughput(compute, model, prompts, configs: dict, concurrency: list[int], tokens: int, repeats: int):
+def bench_throughput(
+    compute, model, prompts, configs: dict, concurrency: list[int], tokens: int, repeats: int, bandwidth: float
+):
     rows = []
     for name, config in configs.items():
         prefilled = compute.call(_prefilled, model, prompts[: max(concurrency)], config, tokens)
@@ -127,6 +137,11 @@ def bench_throughput(compute, model, prompts, configs: dict, concurrency: list[i
                 rate, revived["direct"] = compute.call(_direct, model, subset, config)
                 rates["direct"].append(rate)
             medians = {mode: statistics.median(r) for mode, r in rates.items()}
+            # A batched step reads every weight once and every K/V row the sequences hold (as
+            # prefilled; the few decoded rows are left out): its time can be no less.
+            held = step_bytes(model, [cache for cache, _, _ in subset])
+            floor_s = held["total"] / bandwidth
+            step_s = {mode: count / rate if mode != "interleaved" else 1 / rate for mode, rate in medians.items()}
             rows.append(
                 {
                     "pruning": name,
@@ -137,11 +152,14 @@ def bench_throughput(compute, model, prompts, configs: dict, concurrency: list[i
                     "batched_over_interleaved": medians["batched"] / medians["interleaved"],
                     "batched_over_direct": medians["batched"] / medians["direct"],
                     "revived_token_layers": revived,
+                    "bytes_per_step": held,
+                    "floor_ms": floor_s * 1e3,
+                    "step_over_floor": {mode: step / floor_s for mode, step in step_s.items() if mode != "interleaved"},
                 }
             )
             print(
                 f"{name} x{count}: batched {medians['batched']:.1f} tok/s, interleaved {medians['interleaved']:.1f}, "
-                f"direct {medians['direct']:.1f}",
+                f"direct {medians['direct']:.1f}; a batched step {step_s['batched'] / floor_s:.1f}x its floor",
                 flush=True,
             )
     return rows
@@ -153,23 +171,20 @@ def _per_sequence(model, queries, keys, values):
     return [attend(model, q, k, v) for q, k, v in zip(queries, keys, values)]
 
 
-def _padded(model, queries, keys, values):
-    """The gather a padded batch layout needs at each layer, then one SDPA call with a key mask."""
-    spec = model.spec
-    sizes = [k.shape[2] for k in keys]
-    longest = max(sizes)
-    k = torch.zeros(len(keys), spec.num_kv_heads, longest, spec.head_dim, dtype=keys[0].dtype)
-    v = torch.zeros_like(k)
-    mask = torch.zeros(len(keys), 1, 1, longest, dtype=torch.bool)
-    for i, n in enumerate(sizes):
-        k[i, :, :n], v[i, :, :n], mask[i, ..., :n] = keys[i][0], values[i][0], True
-    return torch.nn.functional.scaled_dot_product_attention(
-        torch.cat(queries), k, v, attn_mask=mask, scale=model.scaling, enable_gqa=spec.num_heads > spec.num_kv_heads
-    )
+def _slots(model, queries, store, sizes):
+    """One call for every sequence's query over its slot of a store (DecodeSlots' layout): the
+    keys past a slot's size masked, nothing gathered."""
+    from shared.engine.layer import attend_slots
+
+    k, v = store
+    width = max(sizes)
+    mask = torch.arange(width)[None, :] < torch.tensor(sizes)[:, None]
+    return attend_slots(model, torch.cat(queries), k[:, :, :width], v[:, :, :width], mask)
 
 
 def bench_attention(model, lengths: list[int], batch_sizes: list[int], repeats: int) -> list[dict]:
-    """One decode query per sequence over ragged key lengths: per-sequence SDPA vs one padded call."""
+    """One decode query per sequence over ragged key lengths: an SDPA call per sequence against one
+    call over a slot store."""
     spec = model.spec
     out = []
     gen = torch.Generator().manual_seed(0)
@@ -179,14 +194,17 @@ def bench_attention(model, lengths: list[int], batch_sizes: list[int], repeats: 
         values = [torch.randn_like(k) for k in keys]
         queries = [torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=gen).to(model.dtype) for _ in sizes]
 
+        store = [torch.zeros(count, spec.num_kv_heads, max(sizes), spec.head_dim, dtype=model.dtype) for _ in "kv"]
+        for i, n in enumerate(sizes):
+            store[0][i, :, :n], store[1][i, :, :n] = keys[i][0], values[i][0]
         per_sequence = functools.partial(_per_sequence, model, queries, keys, values)
-        padded = functools.partial(_padded, model, queries, keys, values)
-        times = {"per_sequence": [], "padded": []}
+        slots = functools.partial(_slots, model, queries, store, sizes)
+        times = {"per_sequence": [], "slots": []}
         with torch.inference_mode():
-            for fn in (per_sequence, padded):
+            for fn in (per_sequence, slots):
                 fn()
             for _ in range(repeats):
-                for name, fn in (("per_sequence", per_sequence), ("padded", padded)):
+                for name, fn in (("per_sequence", per_sequence), ("slots", slots)):
                     start = time.perf_counter()
                     for _ in range(spec.num_layers):
                         fn()
@@ -197,7 +215,7 @@ def bench_attention(model, lengths: list[int], batch_sizes: list[int], repeats: 
                 "sequences": count,
                 "key_lengths": sizes,
                 "median_s_per_layer": medians,
-                "padded_over_per_sequence": medians["padded"] / medians["per_sequence"],
+                "slots_over_per_sequence": medians["slots"] / medians["per_sequence"],
             }
         )
     return out
@@ -210,7 +228,10 @@ def bench_dtype(args, dtype: str, compute) -> dict:
     model = loaded.engine
     configs = pruning_configs(args.presets, args.schedule, model.spec)
     prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
-    throughput = bench_throughput(compute, model, prompts, configs, args.concurrency, args.tokens, args.repeats)
+    bandwidth = compute.call(read_bandwidth)
+    throughput = bench_throughput(
+        compute, model, prompts, configs, args.concurrency, args.tokens, args.repeats, bandwidth
+    )
     lengths = [args.prompt // 2, args.prompt, args.prompt * 3 // 2]
     attention = compute.call(bench_attention, model, lengths, args.concurrency, args.repeats * 5)
     return {
@@ -218,13 +239,14 @@ def bench_dtype(args, dtype: str, compute) -> dict:
         "dtype": loaded.dtype_choice.dtype,
         "dtype_reason": loaded.dtype_choice.reason,
         "pruning": {name: config.model_dump() for name, config in configs.items()},
+        "read_bandwidth_gb_s": bandwidth / 1e9,
         "throughput": throughput,
         "attention": attention,
     }
 
 
 def _print_dtype(run: dict) -> None:
-    print(f"\n{run['dtype']} ({run['dtype_reason']})")
+    print(f"\n{run['dtype']} ({run['dtype_reason']}), read bandwidth {run['read_bandwidth_gb_s']:.1f} GB/s")
     print(
         markdown_table(
             [
@@ -236,6 +258,8 @@ def _print_dtype(run: dict) -> None:
                 "direct tok/s",
                 "batched / direct",
                 "revived (batched)",
+                "floor ms",
+                "batched step / floor",
             ],
             [
                 [
@@ -247,6 +271,8 @@ def _print_dtype(run: dict) -> None:
                     f"{r['tokens_per_s']['direct']:.1f}",
                     f"{r['batched_over_direct']:.2f}x",
                     r["revived_token_layers"]["batched"],
+                    f"{r['floor_ms']:.1f}",
+                    f"{r['step_over_floor']['batched']:.2f}x",
                 ]
                 for r in run["throughput"]
             ],
@@ -255,13 +281,13 @@ def _print_dtype(run: dict) -> None:
     print()
     print(
         markdown_table(
-            ["sequences", "per-sequence SDPA ms/layer", "padded SDPA ms/layer", "padded / per-sequence"],
+            ["sequences", "per-sequence SDPA ms/layer", "slots SDPA ms/layer", "slots / per-sequence"],
             [
                 [
                     a["sequences"],
                     f"{a['median_s_per_layer']['per_sequence'] * 1e3:.2f}",
-                    f"{a['median_s_per_layer']['padded'] * 1e3:.2f}",
-                    f"{a['padded_over_per_sequence']:.2f}",
+                    f"{a['median_s_per_layer']['slots'] * 1e3:.2f}",
+                    f"{a['slots_over_per_sequence']:.2f}",
                 ]
                 for a in run["attention"]
             ],

@@ -25,12 +25,21 @@ from pathlib import Path
 
 import torch
 
-from bench.common import add_decode_workload_arguments, add_dtypes_argument, markdown_table, pruning_configs, write_json
+from bench.common import (
+    add_decode_workload_arguments,
+    add_dtypes_argument,
+    markdown_table,
+    pruning_configs,
+    read_bandwidth,
+    step_bytes,
+    write_json,
+)
 
 # (module attribute, phase): what shared/engine/decode.py calls, by the name it calls it.
 PHASES = [
     ("project_qkv", "norm + q/k/v + RoPE"),
     ("attend", "attention"),
+    ("attend_slots", "attention"),
     ("finish", "o_proj + MLP"),
     ("logits_of", "final norm + lm_head"),
     ("window_scores", "selection: window scores"),
@@ -70,13 +79,17 @@ class PhaseTimer:
         """Wrap the engine's functions for the duration; always restored."""
         from shared.engine import cache as cache_module
         from shared.engine import decode as decode_module
+        from shared.engine import slots as slots_module
 
         saved = []
         targets = [(decode_module, name, phase) for name, phase in PHASES]
         targets += [
             (cache_module.LazyCache, "write", "cache writes"),
+            (slots_module.DecodeSlots, "write", "cache writes"),
             (decode_module._Rows, "reselect", "selection: live set, stash, revive"),
             (decode_module._Rows, "attend", "attention: masks"),
+            (decode_module._SlotStep, "_attend_new", "attention: masks"),
+            (decode_module._SlotStep, "attend", "slots: rows in and out"),
         ]
         try:
             for owner, name, phase in targets:
@@ -99,16 +112,24 @@ def _prefilled(model, prompts, config, steps: int):
     return out
 
 
-def _decode(model, prefilled, config, steps: int) -> tuple[float, dict]:
-    """Greedy steps from copies of the caches; seconds and what the steps computed."""
+def _decode(model, prefilled, config, steps: int, layout: str) -> tuple[float, dict]:
+    """Greedy steps from copies of the caches; seconds and what the steps computed. layout:
+    "slots" (a DecodeSlots, as the decode worker runs them) or "per-sequence" (a call each)."""
+    from shared.engine import DecodeSlots
     from shared.engine.decode import decode_batch
 
     batch = [(copy.deepcopy(cache), token, config) for cache, token in prefilled]
+    slots = DecodeSlots(model.spec, model.dtype, model.device) if layout == "slots" else None
+    for cache, _, _ in batch:
+        if slots is not None:
+            slots.join(cache)  # once per sequence, when it starts decoding: not a step's work
     revived = sum(cache.revived_token_layers for cache, _, _ in batch)
     computed = sum(cache.computed_token_layers for cache, _, _ in batch)
+    read = []
     start = time.perf_counter()
     for _ in range(steps):
-        tokens = decode_batch(model, batch).argmax(dim=-1).tolist()
+        read.append(sum(cache.kv_bytes for cache, _, _ in batch))
+        tokens = decode_batch(model, batch, slots).argmax(dim=-1).tolist()
         batch = [(cache, token, config) for (cache, _, _), token in zip(batch, tokens)]
     elapsed = time.perf_counter() - start
     last = model.spec.num_layers - 1
@@ -116,27 +137,31 @@ def _decode(model, prefilled, config, steps: int) -> tuple[float, dict]:
         "revived_token_layers_per_step": (sum(c.revived_token_layers for c, _, _ in batch) - revived) / steps,
         "computed_token_layers_per_step": (sum(c.computed_token_layers for c, _, _ in batch) - computed) / steps,
         "keys_last_layer_per_sequence": statistics.mean(c.layers[last].size for c, _, _ in batch),
+        "kv_bytes_per_step": statistics.mean(read),
     }
     return elapsed, rows
 
 
-def profile(model, prompts, name: str, config, count: int, steps: int, repeats: int) -> dict:
+def profile(model, prompts, name: str, config, count: int, steps: int, repeats: int, layout: str, bandwidth) -> dict:
     prefilled = _prefilled(model, prompts[:count], config, steps * 2)
-    _decode(model, prefilled[:1], config, 2)  # warm-up
+    _decode(model, prefilled[:1], config, 2, layout)  # warm-up
     plain, timed_runs, timer = [], [], PhaseTimer()
     rows = {}
     for _ in range(repeats):
-        elapsed, rows = _decode(model, prefilled, config, steps)
+        elapsed, rows = _decode(model, prefilled, config, steps, layout)
         plain.append(elapsed / steps)
         with timer.installed():
-            elapsed, _ = _decode(model, prefilled, config, steps)
+            elapsed, _ = _decode(model, prefilled, config, steps, layout)
         timed_runs.append(elapsed / steps)
     per_step = {phase: seconds / (steps * repeats) for phase, seconds in timer.seconds.items()}
     timed = statistics.mean(timed_runs)
     per_step["other (Python, embedding, batching)"] = max(timed - sum(per_step.values()), 0.0)
+    weights = step_bytes(model, [])["weights"]
+    floor = (weights + rows["kv_bytes_per_step"]) / bandwidth
     return {
         "pruning": name,
         "sequences": count,
+        "layout": layout,
         "steps": steps,
         "step_ms": statistics.median(plain) * 1e3,
         "samples_step_ms": [s * 1e3 for s in plain],
@@ -144,6 +169,9 @@ def profile(model, prompts, name: str, config, count: int, steps: int, repeats: 
         "tokens_per_s": count / statistics.median(plain),
         "phases_ms": {phase: s * 1e3 for phase, s in per_step.items()},
         "calls_per_step": {phase: n / (steps * repeats) for phase, n in timer.calls.items()},
+        "bytes_per_step": {"weights": weights, "kv": rows["kv_bytes_per_step"]},
+        "floor_ms": floor * 1e3,
+        "over_floor": statistics.median(plain) / floor,
         **rows,
     }
 
@@ -156,32 +184,53 @@ def bench_dtype(args, dtype: str) -> dict:
     model = loaded.engine
     prompts = _prompts(loaded.tokenizer, max(args.concurrency), args.prompt)
     results = []
+    bandwidth = read_bandwidth()
     for name, config in pruning_configs(args.presets, args.schedule, model.spec).items():
         for count in args.concurrency:
-            result = profile(model, prompts, name, config, count, args.steps, args.repeats)
-            print(f"{dtype} {name} x{count}: {result['step_ms']:.1f} ms a step", flush=True)
-            results.append(result)
-    return {"model": loaded.name, "dtype": loaded.dtype_choice.dtype, "profiles": results}
+            for layout in args.layouts:
+                result = profile(model, prompts, name, config, count, args.steps, args.repeats, layout, bandwidth)
+                print(
+                    f"{dtype} {name} x{count} {layout}: {result['step_ms']:.1f} ms a step, "
+                    f"{result['over_floor']:.1f}x its floor",
+                    flush=True,
+                )
+                results.append(result)
+    return {
+        "model": loaded.name,
+        "dtype": loaded.dtype_choice.dtype,
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "profiles": results,
+    }
 
 
 def report(run: dict) -> str:
     """One table per dtype: phases as rows, (preset, sequences) as columns."""
     profiles = run["profiles"]
     phases = list(dict.fromkeys(p for r in profiles for p in r["phases_ms"]))
-    header = ["ms per step"] + [f"{r['pruning']} x{r['sequences']}" for r in profiles]
+    header = ["ms per step"] + [f"{r['pruning']} x{r['sequences']} {r['layout']}" for r in profiles]
     rows = [["step (untimed)"] + [f"{r['step_ms']:.1f}" for r in profiles]]
+    rows.append(["memory floor"] + [f"{r['floor_ms']:.1f}" for r in profiles])
+    rows.append(["step / floor"] + [f"{r['over_floor']:.2f}x" for r in profiles])
     rows += [["step (timed)"] + [f"{r['timed_step_ms']:.1f}" for r in profiles]]
     for phase in phases:
         rows.append([phase] + [f"{r['phases_ms'].get(phase, 0.0):.1f}" for r in profiles])
     rows.append(["revived token-layers"] + [f"{r['revived_token_layers_per_step']:.0f}" for r in profiles])
     rows.append(["keys at the last layer"] + [f"{r['keys_last_layer_per_sequence']:.0f}" for r in profiles])
-    return f"{run['dtype']}, {run['model']}\n" + markdown_table(header, rows)
+    bandwidth = f"read bandwidth {run['read_bandwidth_gb_s']:.1f} GB/s"
+    return f"{run['dtype']}, {run['model']}, {bandwidth}\n" + markdown_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lazyserve bench step", description=__doc__)
     add_decode_workload_arguments(parser, concurrency=[1, 16], repeats=2)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per run")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=["slots", "per-sequence"],
+        default=["slots", "per-sequence"],
+        help="K/V in a DecodeSlots (as the decode worker) or an attention call per sequence",
+    )
     add_dtypes_argument(parser, "one table each")
     parser.add_argument("--out", default="out/bench_step.json")
     args = parser.parse_args(argv)

@@ -7,10 +7,10 @@ nano-vllm's three parts:
   reader not `max_unsent` tokens behind), at most `max_batch_size`, those that waited longest
   first; a new sequence joins at the next round, a finished or cancelled one leaves at once;
 - run: one `decode_batch` over all of them (the weights are read once per round, not once per
-  sequence), and before it, at most one local prefill (short prompts the router sends here)
-  advanced by whole layers within the round's row budget (`max_batch_tokens` less one row per
-  decoding sequence), so it delays the running streams by at most that much work; with nothing decoding it
-  runs to the end at once;
+  sequence; their K/V sit in one DecodeSlots, so each layer attends in one call), and before it
+  at most one local prefill (short prompts the router sends here) advanced by whole layers within
+  the round's row budget (`max_batch_tokens` less one row per decoding sequence), so it delays the
+  running streams by at most that much work; with nothing decoding it runs to the end at once;
 - postprocess: each sequence samples its own row with its own generator (a seeded request gives
   the same tokens batched or alone), its tokens go to its outbox, the finished retire.
 
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from shared.compute import ComputeThread
 from shared.engine import (
+    DecodeSlots,
     Decoding,
     EngineModel,
     Generation,
@@ -141,6 +142,8 @@ class Scheduler:
         self.prefix = prefix
         self.max_sequences, self.max_unsent = max_sequences, max_unsent
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
+        # Every decoding sequence's K/V, a slot each: a step's layer is one write and one attention call.
+        self.slots = DecodeSlots(model.spec, model.dtype, model.device)
         self.revived_token_layers = 0  # over finished sequences
         self.steps = 0  # batched decode steps run
         self._active: list[Sequence] = []  # in turn order: the front waited longest
@@ -278,7 +281,7 @@ class Scheduler:
     def _decode(self, batch: list[Sequence]) -> None:
         steps = [(s.decoding.cache, s.decoding.next_token, s.decoding.config) for s in batch]
         try:
-            logits = decode_batch(self.model, steps)
+            logits = decode_batch(self.model, steps, self.slots)
         except Exception as error:
             # Each cache took part of this step, so none can be retried: all of them fail.
             log.exception("a decode step of %d sequences failed", len(batch))
@@ -303,6 +306,7 @@ class Scheduler:
                 return
             self._active.remove(sequence)
         if sequence.decoding is not None:
+            self.slots.leave(sequence.decoding.cache)
             sequence.decoding.close(self.model.spec.num_layers)
             self.revived_token_layers += sequence.generation.stats.revived_token_layers
         # A finished sequence's answer is not cached: decode computed its tokens one query row

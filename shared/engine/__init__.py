@@ -22,9 +22,11 @@ from shared.engine.pruning import select
 from shared.engine.request import abandon_prefill, fill_prefill_stats, finish_prefill, run_prefill, start_prefill
 from shared.engine.reuse import PrefixReuse
 from shared.engine.sampling import Sampled, Sampler, sample
+from shared.engine.slots import DecodeSlots
 
 __all__ = [
     "OFF",
+    "DecodeSlots",
     "Decoding",
     "EngineModel",
     "Generation",

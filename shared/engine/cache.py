@@ -29,6 +29,8 @@ class LayerKV:
 
     Nothing is allocated until the first append, which takes what it writes plus `headroom` rows
     (the tokens decode will add): a pruned layer holds room for its kept tokens, not the prompt's.
+    While its sequence decodes in a DecodeSlots (slots.py), the buffers are views of its slot
+    there (`binding`: the store, the slot, the layer), and growing asks the store to grow.
     """
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, headroom: int = 0):
@@ -38,6 +40,31 @@ class LayerKV:
         self._positions = torch.empty(0, dtype=torch.long, device=device)
         self.headroom = headroom
         self.size = 0
+        self.binding: tuple | None = None  # (DecodeSlots, slot, layer) while it is a view of one
+
+    def bind(self, binding: tuple, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Become views of a slot (k, v [1, Hkv, capacity, D], positions [capacity]) that already holds the rows."""
+        self.binding, self._k, self._v, self._positions = binding, k, v, positions
+
+    def unbind(self) -> None:
+        """Leave the slot: the rows and the room move to buffers of its own."""
+        if self.binding is None:
+            return
+        self.binding = None
+        rows = slice(0, self.size + self.headroom)  # its rows and its room, not the store's
+        self._k, self._v = self._k[:, :, rows].clone(), self._v[:, :, rows].clone()
+        self._positions = self._positions[rows].clone()
+
+    def appended(self, rows: int) -> None:
+        """Count `rows` written straight into the slot by DecodeSlots.write."""
+        self.size += rows
+
+    def __deepcopy__(self, memo) -> LayerKV:
+        """A copy of its own (a fork never shares, nor copies, a DecodeSlots store)."""
+        copied = copy.copy(self)
+        copied.binding = None
+        copied._k, copied._v, copied._positions = self._k.clone(), self._v.clone(), self._positions.clone()
+        return copied
 
     @property
     def capacity(self) -> int:
@@ -55,8 +82,13 @@ class LayerKV:
         self.size = end
 
     def resize(self, capacity: int) -> None:
-        """Move to buffers of exactly `capacity` rows (at least the rows held)."""
+        """Move to buffers of exactly `capacity` rows (at least the rows held); in a slot, of at least."""
         capacity = max(capacity, self.size)
+        if self.binding is not None:
+            if capacity > self.capacity:
+                slots, _, layer = self.binding
+                slots.grow(layer, capacity)  # rebinds this layer's views
+            return
         if capacity == self.capacity:
             return
         for name in ("_k", "_v"):
@@ -220,6 +252,18 @@ class LazyCache:
         self.depth[positions] = layer + 1
         if computed:
             self.computed_token_layers += positions.shape[0]
+
+    def claim(self, position: int) -> None:
+        """Start a token that a decode step writes through DecodeSlots.write at every layer: the
+        at-most-once check, made once for the step (it has KV nowhere yet). The step sets its depth
+        when it ends."""
+        if position >= self.depth.shape[0]:
+            grown = self.depth.new_zeros(max(position + 1, 2 * self.depth.shape[0]))
+            grown[: self.depth.shape[0]] = self.depth
+            self.depth = grown
+        if int(self.depth[position]) != 0:
+            raise InvariantError(f"token {position} has KV already: a token-layer would be computed twice")
+        self.length = max(self.length, position + 1)
 
     def stash(self, layer: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Put tokens that stop after `layer` into that layer's Aux Cache."""

@@ -3,8 +3,8 @@
 `decode_batch` advances any number of sequences by one token each in one pass over the layers:
 the rows of every sequence (its new token, plus the tokens it revives at that layer) go through
 the norms, the q/k/v and output projections and the MLP as one matrix, so the weights are read
-once per step for the whole batch. Attention, selection and the Aux Cache stay per sequence, each
-with its own cache and pruning config; `decode_step` is a batch of one.
+once per step for the whole batch. Selection and the Aux Cache stay per sequence, each with its
+own cache and pruning config; `decode_step` is a batch of one.
 
 Within one sequence: the new token runs through every layer. Under `lazy`, each stage layer scores
 the live prompt tokens by the attention of the new token and the query window before it (the
@@ -21,15 +21,19 @@ left go to tokens already computed deeper), `reselect_every` keeps each stage's 
 re-selections. At the first stage the window's older queries keep their attention rows in a memo
 (QueryWindow.rows): each step scores one new query row, not `window` of them.
 
-Attention is one SDPA call per sequence over its own keys. The alternative, one call over keys
-padded to the longest sequence (or one block-masked call over all keys), has to gather every
-sequence's K and V into a new tensor at every layer of every step: `lazyserve bench decode`
-measures both on the same shapes, and the per-sequence calls win at every batch size tried there
-(docs/results.md), because a decode query row is cheap and the copy is not.
+Attention: where the caches decode from a DecodeSlots (slots.py; the decode worker's Scheduler
+keeps one), each layer writes every new token's K/V row in one call and attends every new token
+in one call over the batch's slots, keys past a slot's size and keys its live set leaves out
+masked (_SlotStep). Only revived rows, a few at a re-selection step, are written and attend per
+sequence. Without slots, with batch invariance on (a slot call's shape depends on the batch) and
+at sliding-window layers (whose keys are each query's window), each sequence attends in a call of
+its own (_attend_each). In float32 the two agree to rounding; bfloat16 rounds a slot call's
+padded, masked sums otherwise, a step or two on a logit.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +42,7 @@ from shared.compute import require_compute_thread
 from shared.engine.cache import LazyCache, QueryWindow
 from shared.engine.layer import (
     attend,
+    attend_slots,
     both,
     causal_mask,
     finish,
@@ -49,6 +54,7 @@ from shared.engine.layer import (
 )
 from shared.engine.model import EngineModel
 from shared.engine.pruning import PruneConfig, ScoreInputs, scorer_for, select
+from shared.engine.slots import DecodeSlots
 
 
 class _Rows:
@@ -69,18 +75,31 @@ class _Rows:
         self.h: torch.Tensor | None = None  # [rows, hidden]
         self.live: torch.Tensor | None = None  # bool over positions; None: every token with KV here
         self.q = self.key_live = None
+        self.depth_written = 0  # layers of the new token's depth written to the cache (_SlotStep defers it)
 
-    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: bool) -> torch.Tensor:
-        """Write this layer's K/V of the rows, then attend over the live keys. Returns [1, H, rows or 1, D]."""
+    def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this layer's K/V of the rows [1, Hkv, rows, D]."""
         cache = self.cache
+        if self.depth_written != index:  # the slot path left the new token's depth to the end of the step
+            cache.depth[self.new_position] = index
         cache.write(index, self.rows, k, v)
+        self.depth_written = index + 1
         cache.revived_token_layers += self.rows.shape[0] - 1
-        kv = cache.layers[index]
-        self.q, self.key_live = q, None if self.live is None else self.live[kv.positions]
-        if self.key_live is not None and bool(self.key_live.all()):
-            self.key_live = None  # every key held here is live (no revival yet): no mask to build or apply
+
+    def live_keys(self, index: int) -> torch.Tensor | None:
+        """bool [keys held at `index`]: which of them are in the live set; None when all are."""
+        if self.live is None:
+            return None
+        key_live = self.live[self.cache.layers[index].positions]
+        return None if bool(key_live.all()) else key_live
+
+    def attend(self, index: int, q: torch.Tensor, last: bool) -> torch.Tensor:
+        """Attend over the live keys (written already). Returns [1, H, rows or 1, D]."""
+        kv = self.cache.layers[index]
+        self.q = q
+        key_live = self.live_keys(index)
         if last or self.rows.shape[0] == 1:
-            k, v, live = kv.k, kv.v, self.key_live
+            k, v, live = kv.k, kv.v, key_live
             inside = window_mask(self.model, index, self.rows[-1:], kv.positions)
             if inside is not None:
                 # A sliding layer: only its window's keys, gathered, not masked: the sums run over
@@ -89,21 +108,28 @@ class _Rows:
                 inside = inside[0]
                 k, v, live = k[:, :, inside], v[:, :, inside], None if live is None else live[inside]
             return attend(self.model, q[:, :, -1:], k, v, mask=live, masked_call=inside is not None)
-        # Revived rows attend causally, by original position, over the live keys in the window.
-        mask = both(causal_mask(self.rows, kv.positions), window_mask(self.model, index, self.rows, kv.positions))
-        return attend(self.model, q, kv.k, kv.v, mask=mask if self.key_live is None else mask & self.key_live[None])
+        return self.attend_causal(index, q, key_live)
 
-    def reselect(self, index: int) -> None:
-        """After layer `index`: pick the live set, stash the rows that stop here, revive the ones that go on."""
+    def attend_causal(self, index: int, q: torch.Tensor, key_live: torch.Tensor | None) -> torch.Tensor:
+        """Rows q [1, H, m, D] at the first m of self.rows, causally, by original position, over
+        the live keys in the window (revived rows). Returns [1, H, m, D]."""
+        kv, rows = self.cache.layers[index], self.rows[: q.shape[2]]
+        mask = both(causal_mask(rows, kv.positions), window_mask(self.model, index, rows, kv.positions))
+        return attend(self.model, q, kv.k, kv.v, mask=mask if key_live is None else mask & key_live[None])
+
+    def reselect(self, index: int) -> bool:
+        """After layer `index`: pick the live set, stash the rows that stop here, revive the ones
+        that go on. False where `index` is not a stage of this sequence (nothing changed)."""
         config, cache = self.config, self.cache
         keep = config.keep_at(index) if self.reselects else None
         if keep is None:
-            return
+            return False
         kv = cache.layers[index]
         window = self._push_window(index) if config.window > 1 else None
         held = cache.selected.get(index)
         live = torch.ones(self.new_position + 1, dtype=torch.bool, device=self.model.device)
         if self.selecting or held is None:
+            self.key_live = self.live_keys(index)  # before this stage changes the live set
             held = cache.selected[index] = self._select(index, keep, kv, window)
         live[: self.num_prompt] = held
         self.live = live
@@ -120,6 +146,7 @@ class _Rows:
             order = torch.argsort(rows)
             rows, h = rows[order], h[order]
         self.rows, self.h = rows, h
+        return True
 
     def _select(self, index: int, keep: float, kv, window: QueryWindow | None) -> torch.Tensor:
         """The prompt tokens kept past stage `index` this step: bool [prompt]."""
@@ -197,12 +224,126 @@ class _Rows:
         return scores
 
 
+class _SlotStep:
+    """The sequences of one step in a DecodeSlots: per layer, one write of the new tokens' K/V
+    rows and one attention call for every new token; revived rows (a few, at re-selection steps)
+    are written and attend per sequence."""
+
+    def __init__(self, model: EngineModel, slots: DecodeSlots, seqs: list[_Rows]):
+        self.model, self.slots, self.seqs = model, slots, seqs
+        for seq in seqs:
+            slots.join(seq.cache)
+            seq.cache.claim(seq.new_position)
+        slot_of = [slots.slot_of(seq.cache) for seq in seqs]
+        self.order = sorted(range(len(seqs)), key=slot_of.__getitem__)  # batch indices in slot order
+        first, ordered = slot_of[self.order[0]], [slot_of[i] for i in self.order]
+        device = model.device
+        self.slot_ids = torch.tensor(ordered, device=device)
+        # The batch is every member or a run of them (the usual case): a slice of the store, no copy.
+        self.span = slice(first, first + len(seqs)) if ordered == list(range(first, first + len(seqs))) else None
+        self.new_positions = torch.tensor([seqs[i].new_position for i in self.order], device=device)
+        self.to_batch = torch.tensor(sorted(range(len(seqs)), key=self.order.__getitem__), device=device)
+        self.live_table: torch.Tensor | None = None  # bool [n, positions], slot order; None: all live
+
+    def attend(self, index: int, q, k, v, sizes: list[int], last: bool) -> torch.Tensor:
+        """Write the layer's K/V rows, then attend. Returns [1, H, rows (1 a sequence if last), D]."""
+        seqs, slots = self.seqs, self.slots
+        ends = list(itertools.accumulate(sizes))
+        for seq, end, size in zip(seqs, ends, sizes):
+            seq.q = q[:, :, end - size : end]
+            if size > 1:  # revived rows join here: written alone, in the cache's own order
+                seq.write(index, k[:, :, end - size : end], v[:, :, end - size : end])
+        single = [i for i in self.order if sizes[i] == 1]
+        if single:
+            for i in single:
+                layer = seqs[i].cache.layers[index]
+                if layer.size + 1 > layer.capacity:
+                    layer.resize(layer.size + 1 + layer.capacity)  # the store grows for every slot
+            rows = torch.tensor([ends[i] - 1 for i in single], device=q.device)
+            at = torch.tensor([seqs[i].cache.layers[index].size for i in single], device=q.device)
+            which = self.slot_ids if len(single) == len(seqs) else self.slot_ids[[self.order.index(i) for i in single]]
+            new = (
+                self.new_positions
+                if len(single) == len(seqs)
+                else self.new_positions[[self.order.index(i) for i in single]]
+            )
+            slots.write(index, which, at, new, k[0, :, rows].transpose(0, 1), v[0, :, rows].transpose(0, 1))
+            for i in single:
+                seqs[i].cache.layers[index].appended(1)
+                seqs[i].cache.computed_token_layers += 1
+        tails = torch.tensor([ends[i] - 1 for i in self.order], device=q.device)
+        news = self._attend_new(index, q[0, :, tails].transpose(0, 1).unsqueeze(2))  # [1, H, n, D], slot order
+        news = news.index_select(2, self.to_batch)
+        if last or len(single) == len(seqs):
+            return news
+        outs = []
+        for i, (seq, end, size) in enumerate(zip(seqs, ends, sizes)):
+            if size > 1:
+                outs.append(seq.attend_causal(index, q[:, :, end - size : end - 1], seq.live_keys(index)))
+            outs.append(news[:, :, i : i + 1])
+        return torch.cat(outs, dim=2)
+
+    def _attend_new(self, index: int, q: torch.Tensor) -> torch.Tensor:
+        """Each sequence's new token q [n, H, 1, D] (slot order) over its live keys: [1, H, n, D]."""
+        sizes = [self.seqs[i].cache.layers[index].size for i in self.order]
+        width = max(sizes)
+        if self.span is not None:
+            k, v, positions = self.slots.store(index, self.span)
+        else:
+            k, v, positions = (part.index_select(0, self.slot_ids) for part in self.slots.store(index, slice(None)))
+        k, v, positions = k[:, :, :width], v[:, :, :width], positions[:, :width]
+        mask = None
+        if min(sizes) < width:
+            mask = torch.arange(width, device=q.device)[None, :] < torch.tensor(sizes, device=q.device)[:, None]
+        if self.live_table is not None:
+            live = self.live_table.gather(1, positions.clamp(max=self.live_table.shape[1] - 1))
+            mask = live if mask is None else mask & live
+        out = attend_slots(self.model, q, k, v, mask)  # [n, H, 1, D]
+        return out.squeeze(2).transpose(0, 1).unsqueeze(0)
+
+    def selected(self) -> None:
+        """After a stage layer: the live sets as one table, for the masks of the layers below."""
+        lives = [self.seqs[i].live for i in self.order]
+        if all(live is None for live in lives):
+            self.live_table = None
+            return
+        width = max(seq.new_position + 1 for seq in self.seqs)
+        table = torch.ones(len(lives), width, dtype=torch.bool, device=self.model.device)
+        for row, live in zip(table, lives):
+            if live is not None:
+                row[: live.shape[0]] = live
+        self.live_table = table
+
+    def finish(self) -> None:
+        """The new tokens' depth: every layer (claimed at the start; the slot writes leave it)."""
+        layers = self.model.spec.num_layers
+        for seq in self.seqs:
+            if seq.depth_written != layers:
+                seq.cache.depth[seq.new_position] = layers
+
+
+def _attend_each(seqs: list[_Rows], index: int, q, k, v, sizes: list[int], last: bool) -> torch.Tensor:
+    """Each sequence's write and attention call on its own. Returns [1, H, rows (1 a sequence if last), D]."""
+    outs, start = [], 0
+    for seq, size in zip(seqs, sizes):
+        end = start + size
+        seq.write(index, k[:, :, start:end], v[:, :, start:end])
+        outs.append(seq.attend(index, q[:, :, start:end], last))
+        start = end
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
 @torch.inference_mode()
-def decode_batch(model: EngineModel, batch: Sequence[tuple[LazyCache, int, PruneConfig]]) -> torch.Tensor:
+def decode_batch(
+    model: EngineModel, batch: Sequence[tuple[LazyCache, int, PruneConfig]], slots: DecodeSlots | None = None
+) -> torch.Tensor:
     """Append each (cache, token, config)'s token at its cache's next position, all in one pass.
 
     Returns the logits [len(batch), vocab] for each sequence's next token, in batch order. The
-    caches must be distinct: a sequence appears at most once per step.
+    caches must be distinct: a sequence appears at most once per step. slots: where the caches
+    decode together (they join it here; the caller has them leave when they finish), for one
+    write and one attention call per layer; without it, or with batch invariance on, each
+    sequence attends in a call of its own.
     """
     require_compute_thread("a decode step")
     if not batch:
@@ -210,6 +351,8 @@ def decode_batch(model: EngineModel, batch: Sequence[tuple[LazyCache, int, Prune
     if len({id(cache) for cache, _, _ in batch}) != len(batch):
         raise ValueError("a cache appears twice in one batch")
     seqs = [_Rows(model, cache, config) for cache, _, config in batch]
+    # Batch invariance keeps one call per sequence: a slot call's shape depends on the batch.
+    together = _SlotStep(model, slots, seqs) if slots is not None and model.decode_tile is None else None
     tokens = torch.tensor([token for _, token, _ in batch], device=model.device)
     h = model.embed_tokens(tokens)  # [batch, hidden]: one row per sequence to start with
     for seq, rows in zip(seqs, h.split(1)):
@@ -221,23 +364,26 @@ def decode_batch(model: EngineModel, batch: Sequence[tuple[LazyCache, int, Prune
         rows = torch.cat([seq.rows for seq in seqs]) if len(seqs) > 1 else seqs[0].rows
         q, k, v = project_qkv(model, index, h, rows, model.decode_tile)
         last = index == last_layer
-        outs, start = [], 0
-        for seq, size in zip(seqs, sizes):
-            end = start + size
-            outs.append(seq.attend(index, q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], last))
-            start = end
-        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        if together is not None and model.spec.window_at(index) is None:
+            out = together.attend(index, q, k, v, sizes, last)
+        else:  # a sliding layer's keys are its window's: per sequence
+            out = _attend_each(seqs, index, q, k, v, sizes, last)
         if last:
             # Only each sequence's new token predicts: the other rows needed KV here, nothing more.
             tails = torch.cat([seq.h[-1:] for seq in seqs]) if len(seqs) > 1 else seqs[0].h[-1:]
+            if together is not None:
+                together.finish()
             return logits_of(model, finish(model, index, tails, out, model.decode_tile), model.decode_tile)
         h = finish(model, index, h, out, model.decode_tile)
+        stage = False
         for seq, rows_h in zip(seqs, h.split(sizes)):
             seq.h = rows_h
             boundary = seq.cache.boundary
             if boundary is not None and boundary.layer == index:  # for the prefix cache
                 boundary.write(seq.rows, rows_h)
-            seq.reselect(index)
+            stage |= seq.reselect(index)
+        if together is not None and stage:
+            together.selected()
     raise RuntimeError("unreachable: the last layer returns")
 
 

@@ -99,6 +99,22 @@ def attend(
     )
 
 
+def attend_slots(
+    model: EngineModel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """One query row for each of n sequences in one call: q [n, H, 1, D] over its own keys
+    k, v [n, Hkv, L, D] (a DecodeSlots store), mask bool [n, L] or None. Returns [n, H, 1, D].
+    Laid out as `attend` lays out one row (heads folded in float32, enable_gqa in bfloat16)."""
+    spec = model.spec
+    n, groups = q.shape[0], spec.num_heads // spec.num_kv_heads
+    mask = None if mask is None else mask[:, None, None, :]
+    if groups > 1 and q.dtype == torch.float32:
+        qg = q.reshape(n, spec.num_kv_heads, groups, spec.head_dim)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=model.scaling)
+        return out.reshape(n, spec.num_heads, 1, spec.head_dim)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=model.scaling, enable_gqa=groups > 1)
+
+
 def prompt_attention(
     model: EngineModel,
     index: int,

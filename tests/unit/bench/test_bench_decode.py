@@ -15,7 +15,8 @@ def test_every_mode_decodes_the_same_work(tiny_llama):
     prompts = [torch.randint(3, 1000, (200,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
     compute = ComputeThread("bench-test")
     try:
-        rows = bench_throughput(compute, model, prompts, {"off": OFF, "lazy": LAZY}, [1, 3], tokens=4, repeats=1)
+        configs = {"off": OFF, "lazy": LAZY}
+        rows = bench_throughput(compute, model, prompts, configs, [1, 3], tokens=4, repeats=1, bandwidth=10e9)
     finally:
         compute.close()
     assert [(r["pruning"], r["sequences"]) for r in rows] == [("off", 1), ("off", 3), ("lazy", 1), ("lazy", 3)]
@@ -24,6 +25,10 @@ def test_every_mode_decodes_the_same_work(tiny_llama):
         assert all(rate > 0 for rate in row["tokens_per_s"].values())
         revived = row["revived_token_layers"]
         assert revived["batched"] == revived["interleaved"] == revived["direct"]
+        # The floor: the weights once and the K/V the sequences hold, at the bandwidth given.
+        held = row["bytes_per_step"]
+        assert held["total"] == held["weights"] + held["kv"] and held["kv"] > 0
+        assert abs(row["floor_ms"] - held["total"] / 10e9 * 1e3) < 1e-9
         if row["pruning"] == "off":
             assert revived["batched"] == 0
         elif row["sequences"] == 3:
@@ -33,4 +38,4 @@ def test_every_mode_decodes_the_same_work(tiny_llama):
 def test_attention_comparison_covers_every_batch_size(tiny_llama):
     out = bench_attention(tiny_llama.engine, [50, 100], [1, 4], repeats=1)
     assert [a["sequences"] for a in out] == [1, 4] and out[1]["key_lengths"] == [50, 100, 50, 100]
-    assert all(a["median_s_per_layer"]["padded"] > 0 for a in out)
+    assert all(a["median_s_per_layer"]["slots"] > 0 for a in out)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from helpers import assemble, encode_transfer
 
-from shared.engine import OFF, PrefillRun, PruneConfig, SamplingParams, decode_batch, prefill
+from shared.engine import OFF, DecodeSlots, PrefillRun, PruneConfig, SamplingParams, decode_batch, prefill
 from shared.engine.invariant import DECODE_TILE, PROMPT_TILE, cancelling_rows, check_decode_tile, tiled
 from shared.engine.prefix import PrefixCache, block_keys, held_layers, namespace
 from shared.engine.rows import row_steps
@@ -185,8 +185,11 @@ def test_each_of_a_batch_of_16_decodes_as_it_does_alone(load, name, dtype, confi
         cache, logits = prefill(model, _ids(loaded, 40 + 13 * i, 10 + i), config, reserve=STEPS)
         together.append([cache, int(logits.argmax()), config])
         alone.append([copy.deepcopy(cache), int(logits.argmax()), config])
+    # The batch decodes as a decode worker's does, from its DecodeSlots: with the switch on, each
+    # sequence still attends in a call of its own, whose shape does not depend on the batch.
+    slots = DecodeSlots(model.spec, model.dtype, model.device)
     for step in range(STEPS):
-        rows = decode_batch(model, [tuple(item) for item in together])
+        rows = decode_batch(model, [tuple(item) for item in together], slots)
         for i, item in enumerate(alone):
             single = decode_batch(model, [tuple(item)])[0]
             assert torch.equal(rows[i], single), f"step {step}, sequence {i}"
