@@ -70,6 +70,7 @@ class _Rows:
         # is scored and nothing revives, the new token just joins the live set.
         self.selecting = (self.new_position - self.num_prompt) % self.config.reselect_every == 0
         self.scorer = scorer_for(self.config)
+        self.stages = {layer for layer, _ in self.config.stages} if self.reselects else set()
         # Rows computed at the current layer: revived tokens (sorted) and the new token, always last.
         self.rows = torch.tensor([self.new_position], device=model.device)
         self.h: torch.Tensor | None = None  # [rows, hidden]
@@ -242,39 +243,37 @@ class _SlotStep:
         # The batch is every member or a run of them (the usual case): a slice of the store, no copy.
         self.span = slice(first, first + len(seqs)) if ordered == list(range(first, first + len(seqs))) else None
         self.new_positions = torch.tensor([seqs[i].new_position for i in self.order], device=device)
+        self.in_order = self.order == list(range(len(seqs)))
+        self.order_tensor = torch.tensor(self.order, device=device)
         self.to_batch = torch.tensor(sorted(range(len(seqs)), key=self.order.__getitem__), device=device)
         self.live_table: torch.Tensor | None = None  # bool [n, positions], slot order; None: all live
 
     def attend(self, index: int, q, k, v, sizes: list[int], last: bool) -> torch.Tensor:
         """Write the layer's K/V rows, then attend. Returns [1, H, rows (1 a sequence if last), D]."""
-        seqs, slots = self.seqs, self.slots
+        seqs, n = self.seqs, len(self.seqs)
         ends = list(itertools.accumulate(sizes))
         for seq, end, size in zip(seqs, ends, sizes):
-            seq.q = q[:, :, end - size : end]
+            if size > 1 or index in seq.stages:  # what reselect and the revived rows' call read
+                seq.q = q[:, :, end - size : end]
             if size > 1:  # revived rows join here: written alone, in the cache's own order
                 seq.write(index, k[:, :, end - size : end], v[:, :, end - size : end])
-        single = [i for i in self.order if sizes[i] == 1]
+        if ends[-1] == n:  # one row each, in batch order (no revival at this layer)
+            single = self.order
+            k_new, v_new, q_new = k[0].transpose(0, 1), v[0].transpose(0, 1), q[0].transpose(0, 1)
+            if not self.in_order:
+                k_new, v_new, q_new = (x.index_select(0, self.order_tensor) for x in (k_new, v_new, q_new))
+        else:
+            single = [i for i in self.order if sizes[i] == 1]
+            tails = torch.tensor([ends[i] - 1 for i in self.order], dtype=torch.long, device=q.device)
+            q_new = q[0, :, tails].transpose(0, 1)
+            rows = torch.tensor([ends[i] - 1 for i in single], dtype=torch.long, device=q.device)
+            k_new, v_new = k[0, :, rows].transpose(0, 1), v[0, :, rows].transpose(0, 1)
         if single:
-            for i in single:
-                layer = seqs[i].cache.layers[index]
-                if layer.size + 1 > layer.capacity:
-                    layer.resize(layer.size + 1 + layer.capacity)  # the store grows for every slot
-            rows = torch.tensor([ends[i] - 1 for i in single], device=q.device)
-            at = torch.tensor([seqs[i].cache.layers[index].size for i in single], device=q.device)
-            which = self.slot_ids if len(single) == len(seqs) else self.slot_ids[[self.order.index(i) for i in single]]
-            new = (
-                self.new_positions
-                if len(single) == len(seqs)
-                else self.new_positions[[self.order.index(i) for i in single]]
-            )
-            slots.write(index, which, at, new, k[0, :, rows].transpose(0, 1), v[0, :, rows].transpose(0, 1))
-            for i in single:
-                seqs[i].cache.layers[index].appended(1)
-                seqs[i].cache.computed_token_layers += 1
-        tails = torch.tensor([ends[i] - 1 for i in self.order], device=q.device)
-        news = self._attend_new(index, q[0, :, tails].transpose(0, 1).unsqueeze(2))  # [1, H, n, D], slot order
-        news = news.index_select(2, self.to_batch)
-        if last or len(single) == len(seqs):
+            self._write(index, single, k_new, v_new)
+        news = self._attend_new(index, q_new.unsqueeze(2))  # [1, H, n, D], slot order
+        if not self.in_order:
+            news = news.index_select(2, self.to_batch)
+        if last or len(single) == n:
             return news
         outs = []
         for i, (seq, end, size) in enumerate(zip(seqs, ends, sizes)):
@@ -282,6 +281,24 @@ class _SlotStep:
                 outs.append(seq.attend_causal(index, q[:, :, end - size : end - 1], seq.live_keys(index)))
             outs.append(news[:, :, i : i + 1])
         return torch.cat(outs, dim=2)
+
+    def _write(self, index: int, single: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new K/V rows [len(single), Hkv, D] of the sequences `single` (batch indices in slot
+        order), each at the end of its slot, in one write."""
+        at = []
+        for i in single:
+            cache = self.seqs[i].cache
+            layer = cache.layers[index]
+            if layer.size + 1 > layer.capacity:
+                layer.resize(layer.size + 1 + layer.capacity)  # the store grows for every slot
+            at.append(layer.size)
+            layer.appended(1)
+            cache.computed_token_layers += 1
+        slots, positions = self.slot_ids, self.new_positions
+        if len(single) != len(self.seqs):
+            where = torch.tensor([self.order.index(i) for i in single], device=k.device)
+            slots, positions = slots[where], positions[where]
+        self.slots.write(index, slots, torch.tensor(at, device=k.device), positions, k, v)
 
     def _attend_new(self, index: int, q: torch.Tensor) -> torch.Tensor:
         """Each sequence's new token q [n, H, 1, D] (slot order) over its live keys: [1, H, n, D]."""
