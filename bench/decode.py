@@ -178,7 +178,9 @@ def _slots(model, queries, store, sizes):
 
     k, v = store
     width = max(sizes)
-    mask = torch.arange(width)[None, :] < torch.tensor(sizes)[:, None]
+    mask = None  # as _SlotStep: a mask only where a slot holds fewer keys than the widest
+    if min(sizes) < width:
+        mask = torch.arange(width)[None, :] < torch.tensor(sizes)[:, None]
     return attend_slots(model, torch.cat(queries), k[:, :, :width], v[:, :, :width], mask)
 
 

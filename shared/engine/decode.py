@@ -232,32 +232,48 @@ class _SlotStep:
 
     def __init__(self, model: EngineModel, slots: DecodeSlots, seqs: list[_Rows]):
         self.model, self.slots, self.seqs = model, slots, seqs
-        for seq in seqs:
-            slots.join(seq.cache)
-            seq.cache.claim(seq.new_position)
-        slot_of = [slots.slot_of(seq.cache) for seq in seqs]
-        self.order = sorted(range(len(seqs)), key=slot_of.__getitem__)  # batch indices in slot order
-        first, ordered = slot_of[self.order[0]], [slot_of[i] for i in self.order]
+        slot_of = {}
+        for i, seq in enumerate(seqs):
+            slot = slots.join(seq.cache)
+            if slot is not None:  # else left out of the store (slots.py): it attends alone
+                slot_of[i] = slot
+                seq.cache.claim(seq.new_position)
+        self.order = sorted(slot_of, key=slot_of.__getitem__)  # the members' batch indices, in slot order
+        ordered = [slot_of[i] for i in self.order]
+        first = ordered[0] if ordered else 0
+        if ordered != list(range(first, first + len(ordered))):
+            # Not a run of slots (a batch of some of the members, when more run than one step
+            # takes): one call would read a copy of their keys, which costs what it saves.
+            self.order, ordered = [], []
+        self.everyone = len(self.order) == len(seqs)
         device = model.device
-        self.slot_ids = torch.tensor(ordered, device=device)
-        # The batch is every member or a run of them (the usual case): a slice of the store, no copy.
-        self.span = slice(first, first + len(seqs)) if ordered == list(range(first, first + len(seqs))) else None
+        self.slot_ids = torch.tensor(ordered, dtype=torch.long, device=device)
+        self.span = slice(first, first + len(ordered))
         self.new_positions = torch.tensor([seqs[i].new_position for i in self.order], device=device)
         self.in_order = self.order == list(range(len(seqs)))
-        self.order_tensor = torch.tensor(self.order, device=device)
-        self.to_batch = torch.tensor(sorted(range(len(seqs)), key=self.order.__getitem__), device=device)
-        self.live_table: torch.Tensor | None = None  # bool [n, positions], slot order; None: all live
+        self.order_tensor = torch.tensor(self.order, dtype=torch.long, device=device)
+        # With every sequence a member, where each member's row of a slot-order tensor goes back to.
+        self.to_batch = torch.tensor(sorted(range(len(self.order)), key=self.order.__getitem__), device=device)
+        self.live_table: torch.Tensor | None = None  # bool [members, positions], slot order; None: all live
 
     def attend(self, index: int, q, k, v, sizes: list[int], last: bool) -> torch.Tensor:
         """Write the layer's K/V rows, then attend. Returns [1, H, rows (1 a sequence if last), D]."""
         seqs, n = self.seqs, len(self.seqs)
         ends = list(itertools.accumulate(sizes))
-        for seq, end, size in zip(seqs, ends, sizes):
+        alone = {}  # the outputs of sequences left out of the store
+        for i, (seq, end, size) in enumerate(zip(seqs, ends, sizes)):
+            rows = slice(end - size, end)
+            if not self.everyone and i not in self.order:
+                seq.write(index, k[:, :, rows], v[:, :, rows])
+                alone[i] = seq.attend(index, q[:, :, rows], last)
+                continue
             if size > 1 or index in seq.stages:  # what reselect and the revived rows' call read
-                seq.q = q[:, :, end - size : end]
+                seq.q = q[:, :, rows]
             if size > 1:  # revived rows join here: written alone, in the cache's own order
-                seq.write(index, k[:, :, end - size : end], v[:, :, end - size : end])
-        if ends[-1] == n:  # one row each, in batch order (no revival at this layer)
+                seq.write(index, k[:, :, rows], v[:, :, rows])
+        if not self.order:
+            return torch.cat([alone[i] for i in range(n)], dim=2)
+        if self.everyone and ends[-1] == n:  # one row each, in batch order (no revival at this layer)
             single = self.order
             k_new, v_new, q_new = k[0].transpose(0, 1), v[0].transpose(0, 1), q[0].transpose(0, 1)
             if not self.in_order:
@@ -270,16 +286,18 @@ class _SlotStep:
             k_new, v_new = k[0, :, rows].transpose(0, 1), v[0, :, rows].transpose(0, 1)
         if single:
             self._write(index, single, k_new, v_new)
-        news = self._attend_new(index, q_new.unsqueeze(2))  # [1, H, n, D], slot order
-        if not self.in_order:
-            news = news.index_select(2, self.to_batch)
-        if last or len(single) == n:
-            return news
+        news = self._attend_new(index, q_new.unsqueeze(2))  # [1, H, members, D], slot order
+        if self.everyone and (last or len(single) == n):
+            return news if self.in_order else news.index_select(2, self.to_batch)
+        at = {i: j for j, i in enumerate(self.order)}
         outs = []
         for i, (seq, end, size) in enumerate(zip(seqs, ends, sizes)):
-            if size > 1:
+            if i in alone:
+                outs.append(alone[i])
+                continue
+            if size > 1 and not last:
                 outs.append(seq.attend_causal(index, q[:, :, end - size : end - 1], seq.live_keys(index)))
-            outs.append(news[:, :, i : i + 1])
+            outs.append(news[:, :, at[i] : at[i] + 1])
         return torch.cat(outs, dim=2)
 
     def _write(self, index: int, single: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -295,7 +313,7 @@ class _SlotStep:
             layer.appended(1)
             cache.computed_token_layers += 1
         slots, positions = self.slot_ids, self.new_positions
-        if len(single) != len(self.seqs):
+        if len(single) != len(self.order):
             where = torch.tensor([self.order.index(i) for i in single], device=k.device)
             slots, positions = slots[where], positions[where]
         self.slots.write(index, slots, torch.tensor(at, device=k.device), positions, k, v)
@@ -304,10 +322,7 @@ class _SlotStep:
         """Each sequence's new token q [n, H, 1, D] (slot order) over its live keys: [1, H, n, D]."""
         sizes = [self.seqs[i].cache.layers[index].size for i in self.order]
         width = max(sizes)
-        if self.span is not None:
-            k, v, positions = self.slots.store(index, self.span)
-        else:
-            k, v, positions = (part.index_select(0, self.slot_ids) for part in self.slots.store(index, slice(None)))
+        k, v, positions = self.slots.store(index, self.span)
         k, v, positions = k[:, :, :width], v[:, :, :width], positions[:, :width]
         mask = None
         if min(sizes) < width:
@@ -334,7 +349,7 @@ class _SlotStep:
     def finish(self) -> None:
         """The new tokens' depth: every layer (claimed at the start; the slot writes leave it)."""
         layers = self.model.spec.num_layers
-        for seq in self.seqs:
+        for seq in (self.seqs[i] for i in self.order):
             if seq.depth_written != layers:
                 seq.cache.depth[seq.new_position] = layers
 

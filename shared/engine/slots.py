@@ -11,9 +11,10 @@ slots are only as wide as the most any sequence holds there, so a pruned step re
 The slots of a step's batch are contiguous when the batch is every member (`leave` moves the last
 member into the freed slot), so the attention call reads a slice of the store, not a copy.
 Capacity per layer is the most any member needs (its rows plus its reserved room); a layer that
-runs out grows for every slot (doubling), a rare copy. Members of very different lengths waste
-the difference in every slot: the price of one call per layer, where vLLM's paged cache pays a
-paged attention kernel that torch's CPU build does not have.
+runs out grows for every slot (doubling), a rare copy. Members of very different lengths would
+waste the difference in every slot (vLLM's paged cache avoids it with a paged attention kernel
+that torch's CPU build does not have), so `join` leaves out a cache that would make the store
+more than twice what its members need: it decodes in the same step, attending alone.
 
 It knows LayerKV's fields (cache.py) and nothing of models, pruning or requests.
 """
@@ -24,6 +25,9 @@ import torch
 
 from shared.contract import ModelSpec
 from shared.engine.cache import LayerKV, LazyCache
+
+# Rows a store may hold beyond twice what its members need, in bytes, before a cache is left out.
+WASTE_SLACK_BYTES = 64 << 20
 
 
 class DecodeSlots:
@@ -48,14 +52,18 @@ class DecodeSlots:
         return binding[1] if binding is not None and binding[0] is self else None
 
     @torch.inference_mode()
-    def join(self, cache: LazyCache) -> int:
-        """Move `cache`'s K/V into a free slot (a copy, once); its layers become views of it."""
+    def join(self, cache: LazyCache) -> int | None:
+        """Move `cache`'s K/V into a free slot (a copy, once); its layers become views of it.
+        None, and nothing moves, where the store would then hold more than twice what its members
+        need (a prompt much longer or shorter than the others): that cache attends alone."""
         if self.slot_of(cache) is not None:
             return self.slot_of(cache)
         if any(layer.binding is not None for layer in cache.layers):
             raise ValueError("a cache decodes from one DecodeSlots at a time")
         slot = len(self.members)
         needs = [max(layer.capacity, layer.size + layer.headroom, 1) for layer in cache.layers]
+        if self.members and not self._fits(needs):
+            return None
         self._allocate(max(slot + 1, self.num_slots), needs)
         self.members.append(cache)
         for index, layer in enumerate(cache.layers):
@@ -90,6 +98,15 @@ class DecodeSlots:
             self._k, self._v, self._positions = [], [], []
 
     @torch.inference_mode()
+    def _fits(self, needs: list[int]) -> bool:
+        """Whether the store, grown for a cache that needs `needs[l]` rows at layer l, holds at most
+        twice the rows its members and that cache need (or WASTE_SLACK_BYTES more, for small stores)."""
+        slots = max(len(self.members) + 1, self.num_slots)
+        rows = sum(max(need, self.capacity(index)) for index, need in enumerate(needs)) * slots
+        needed = sum(needs) + sum(layer.size + layer.headroom for cache in self.members for layer in cache.layers)
+        row_bytes = 2 * self.spec.num_kv_heads * self.spec.head_dim * torch.finfo(self.dtype).bits // 8
+        return rows <= 2 * needed or (rows - needed) * row_bytes <= WASTE_SLACK_BYTES
+
     def grow(self, layer: int, capacity: int) -> None:
         """Room for `capacity` rows in every slot of `layer` (LayerKV.resize asks for it)."""
         needs = [self.capacity(index) for index in range(self.spec.num_layers)]

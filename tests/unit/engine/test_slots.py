@@ -102,3 +102,54 @@ def test_a_cache_decodes_from_one_store_at_a_time(tiny_llama, caches):
     first.join(caches[0])
     with pytest.raises(ValueError, match="one DecodeSlots"):
         second.join(caches[0])
+
+
+def test_a_cache_that_would_waste_the_store_decodes_alone_in_the_same_step(tiny_llama, monkeypatch):
+    """A prompt far longer than the members' would widen every slot: it is left out of the store
+    and attends in a call of its own, in the same step, with the same logits as alone."""
+    model = tiny_llama.engine
+    monkeypatch.setattr("shared.engine.slots.WASTE_SLACK_BYTES", 0)
+    slots = DecodeSlots(model.spec, model.dtype, model.device)
+    generator = torch.Generator().manual_seed(5)
+    together, alone = [], []
+    for length in (40, 50, 60, 1500):
+        ids = torch.randint(3, model.spec.vocab_size, (length,), generator=generator)
+        cache, logits = prefill(model, ids, LAZY, reserve=4)
+        together.append([cache, int(logits.argmax()), LAZY])
+        alone.append([copy.deepcopy(cache), int(logits.argmax()), LAZY])
+    for _ in range(4):
+        rows = decode_batch(model, [tuple(item) for item in together], slots)
+        for i, item in enumerate(alone):
+            single = decode_batch(model, [tuple(item)])[0]
+            assert torch.allclose(rows[i], single, atol=1e-5, rtol=1e-5)
+            together[i][1] = item[1] = int(single.argmax())
+    assert [slots.slot_of(item[0]) for item in together] == [0, 1, 2, None]
+    for (cache, _, _), (solo, _, _) in zip(together, alone):
+        assert torch.equal(cache.depth, solo.depth)
+        assert cache.computed_token_layers == solo.computed_token_layers
+
+
+def test_a_batch_of_some_members_steps_as_each_alone(tiny_llama):
+    """A step that takes members 0 and 2 but not 1 (more run than one step takes) is no run of
+    slots: each attends in a call of its own, from its slot, and the skipped one is untouched."""
+    model = tiny_llama.engine
+    slots = DecodeSlots(model.spec, model.dtype, model.device)
+    generator = torch.Generator().manual_seed(9)
+    together, alone = [], []
+    for length in (40, 70, 100):
+        ids = torch.randint(3, model.spec.vocab_size, (length,), generator=generator)
+        cache, logits = prefill(model, ids, LAZY, reserve=4)
+        together.append([cache, int(logits.argmax()), LAZY])
+        alone.append([copy.deepcopy(cache), int(logits.argmax()), LAZY])
+    decode_batch(model, [tuple(item) for item in together], slots)  # all three join
+    decode_batch(model, [tuple(item) for item in alone])
+    skipped = _rows(together[1][0])
+    for _ in range(3):
+        picked, solos = [together[0], together[2]], [alone[0], alone[2]]
+        rows = decode_batch(model, [tuple(item) for item in picked], slots)
+        for row, item, solo in zip(rows, picked, solos):
+            single = decode_batch(model, [tuple(solo)])[0]
+            assert torch.allclose(row, single, atol=1e-5, rtol=1e-5)
+            item[1] = solo[1] = int(single.argmax())
+    _same(together[1][0], skipped)
+    assert [slots.slot_of(item[0]) for item in together] == [0, 1, 2]
