@@ -83,10 +83,9 @@ def _direct(model, prefilled, config) -> tuple[float, int]:
             decoding.advance(row)
             tokens += 1
             if decoding.done:
-                slots.leave(decoding.cache)
+                decoding.close(model.spec.num_layers)
+                slots.leave(decoding.cache, keep=False)  # as the Scheduler retires one
     rate = tokens / (time.perf_counter() - start)
-    for decoding in decodings:
-        decoding.close(model.spec.num_layers)
     return rate, sum(d.generation.stats.revived_token_layers for d in decodings)
 
 

@@ -306,8 +306,8 @@ class Scheduler:
                 return
             self._active.remove(sequence)
         if sequence.decoding is not None:
-            self.slots.leave(sequence.decoding.cache)
             sequence.decoding.close(self.model.spec.num_layers)
+            self.slots.leave(sequence.decoding.cache, keep=False)  # its stats are taken: no copy back
             self.revived_token_layers += sequence.generation.stats.revived_token_layers
         # A finished sequence's answer is not cached: decode computed its tokens one query row
         # at a time, and SDPA sums a single row otherwise than the same row inside a prefill's

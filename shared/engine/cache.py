@@ -46,14 +46,16 @@ class LayerKV:
         """Become views of a slot (k, v [1, Hkv, capacity, D], positions [capacity]) that already holds the rows."""
         self.binding, self._k, self._v, self._positions = binding, k, v, positions
 
-    def unbind(self) -> None:
-        """Leave the slot: the rows and the room move to buffers of its own."""
+    def unbind(self, keep: bool = True) -> None:
+        """Leave the slot: the rows and the room move to buffers of its own, or with keep=False
+        the layer is emptied (a finished sequence whose stats are taken: nothing reads it again)."""
         if self.binding is None:
             return
         self.binding = None
-        rows = slice(0, self.size + self.headroom)  # its rows and its room, not the store's
+        rows = slice(0, self.size + self.headroom if keep else 0)  # its rows and its room, not the store's
         self._k, self._v = self._k[:, :, rows].clone(), self._v[:, :, rows].clone()
         self._positions = self._positions[rows].clone()
+        self.size = min(self.size, self._positions.shape[0])
 
     def appended(self, rows: int) -> None:
         """Count `rows` written straight into the slot by DecodeSlots.write."""

@@ -76,14 +76,15 @@ class DecodeSlots:
         return slot
 
     @torch.inference_mode()
-    def leave(self, cache: LazyCache) -> None:
-        """Take `cache` out: its rows are copied back into buffers of its own, and the last member
-        moves into its slot so that the members stay contiguous. Nothing happens to a non-member."""
+    def leave(self, cache: LazyCache, keep: bool = True) -> None:
+        """Take `cache` out: its rows are copied back into buffers of its own (keep=False: dropped,
+        for a finished sequence whose stats are taken), and the last member moves into its slot so
+        that the members stay contiguous. Nothing happens to a non-member."""
         slot = self.slot_of(cache)
         if slot is None:
             return
         for layer in cache.layers:
-            layer.unbind()
+            layer.unbind(keep)
         last = len(self.members) - 1
         moved = self.members.pop()
         if slot != last:

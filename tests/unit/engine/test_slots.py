@@ -153,3 +153,18 @@ def test_a_batch_of_some_members_steps_as_each_alone(tiny_llama):
             item[1] = solo[1] = int(single.argmax())
     _same(together[1][0], skipped)
     assert [slots.slot_of(item[0]) for item in together] == [0, 1, 2]
+
+
+def test_a_finished_sequence_leaves_without_a_copy(tiny_llama, caches):
+    """keep=False (the Scheduler's retire, after the stats are taken): the cache's layers are
+    emptied, not copied back, and the others keep their rows."""
+    model = tiny_llama.engine
+    slots = DecodeSlots(model.spec, model.dtype, model.device)
+    before = [_rows(cache) for cache in caches]
+    for cache in caches:
+        slots.join(cache)
+    slots.leave(caches[0], keep=False)
+    assert all(layer.size == 0 and layer.allocated_bytes == 0 for layer in caches[0].layers)
+    assert slots.slot_of(caches[0]) is None
+    for cache, rows in zip(caches[1:], before[1:]):
+        _same(cache, rows)
