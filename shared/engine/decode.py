@@ -246,6 +246,7 @@ class _SlotStep:
             # takes): one call would read a copy of their keys, which costs what it saves.
             self.order, ordered = [], []
         self.everyone = len(self.order) == len(seqs)
+        self.row_of = {i: j for j, i in enumerate(self.order)}  # a member's row in slot order
         device = model.device
         self.slot_ids = torch.tensor(ordered, dtype=torch.long, device=device)
         self.span = slice(first, first + len(ordered))
@@ -263,7 +264,7 @@ class _SlotStep:
         alone = {}  # the outputs of sequences left out of the store
         for i, (seq, end, size) in enumerate(zip(seqs, ends, sizes)):
             rows = slice(end - size, end)
-            if not self.everyone and i not in self.order:
+            if i not in self.row_of:
                 seq.write(index, k[:, :, rows], v[:, :, rows])
                 alone[i] = seq.attend(index, q[:, :, rows], last)
                 continue
@@ -289,7 +290,6 @@ class _SlotStep:
         news = self._attend_new(index, q_new.unsqueeze(2))  # [1, H, members, D], slot order
         if self.everyone and (last or len(single) == n):
             return news if self.in_order else news.index_select(2, self.to_batch)
-        at = {i: j for j, i in enumerate(self.order)}
         outs = []
         for i, (seq, end, size) in enumerate(zip(seqs, ends, sizes)):
             if i in alone:
@@ -297,7 +297,7 @@ class _SlotStep:
                 continue
             if size > 1 and not last:
                 outs.append(seq.attend_causal(index, q[:, :, end - size : end - 1], seq.live_keys(index)))
-            outs.append(news[:, :, at[i] : at[i] + 1])
+            outs.append(news[:, :, self.row_of[i] : self.row_of[i] + 1])
         return torch.cat(outs, dim=2)
 
     def _write(self, index: int, single: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -314,7 +314,7 @@ class _SlotStep:
             cache.computed_token_layers += 1
         slots, positions = self.slot_ids, self.new_positions
         if len(single) != len(self.order):
-            where = torch.tensor([self.order.index(i) for i in single], device=k.device)
+            where = torch.tensor([self.row_of[i] for i in single], device=k.device)
             slots, positions = slots[where], positions[where]
         self.slots.write(index, slots, torch.tensor(at, device=k.device), positions, k, v)
 
