@@ -243,10 +243,7 @@ class LazyCache:
         computed=False: KV taken from a prefix cache, held but not computed here."""
         if positions.shape[0] > 0:
             end = int(positions.max()) + 1
-            if end > self.depth.shape[0]:
-                grown = self.depth.new_zeros(max(end, 2 * self.depth.shape[0]))
-                grown[: self.depth.shape[0]] = self.depth
-                self.depth = grown
+            self._depth_for(end)
             if not bool((self.depth[positions] == layer).all()):
                 raise InvariantError(f"a token-layer at layer {layer} computed twice")
             self.length = max(self.length, end)
@@ -259,13 +256,17 @@ class LazyCache:
         """Start a token that a decode step writes through DecodeSlots.write at every layer: the
         at-most-once check, made once for the step (it has KV nowhere yet). The step sets its depth
         when it ends."""
-        if position >= self.depth.shape[0]:
-            grown = self.depth.new_zeros(max(position + 1, 2 * self.depth.shape[0]))
-            grown[: self.depth.shape[0]] = self.depth
-            self.depth = grown
+        self._depth_for(position + 1)
         if int(self.depth[position]) != 0:
             raise InvariantError(f"token {position} has KV already: a token-layer would be computed twice")
         self.length = max(self.length, position + 1)
+
+    def _depth_for(self, end: int) -> None:
+        """Room in `depth` for positions 0..end-1 (doubling, so a step's growth is rare)."""
+        if end > self.depth.shape[0]:
+            grown = self.depth.new_zeros(max(end, 2 * self.depth.shape[0]))
+            grown[: self.depth.shape[0]] = self.depth
+            self.depth = grown
 
     def stash(self, layer: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Put tokens that stop after `layer` into that layer's Aux Cache."""
