@@ -41,7 +41,7 @@ from shared.engine import (
     finish_prefill,
 )
 from shared.engine.grammar import Grammars
-from shared.net.rpc import ResourceExhausted
+from shared.net.rpc import InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +163,18 @@ class Scheduler:
         self.compute.call(self._admit, sequences)
 
     def _admit(self, sequences: tuple[Sequence, ...]) -> None:
+        needs = sum(sequence.slots for sequence in sequences)
+        if needs > self.max_sequences:  # waiting cannot help: the gateway checks this before sending
+            raise InvalidArgument(
+                f"the request needs {needs} sequences at once; this worker generates at most {self.max_sequences}"
+            )
         with self._lock:
             held = sum(sequence.slots for sequence in self._active)
-            if held + sum(sequence.slots for sequence in sequences) > self.max_sequences:
-                raise ResourceExhausted(f"this worker is generating {self.max_sequences} sequences already")
+            if held + needs > self.max_sequences:
+                # Full, not broken: the gateway puts the request back in its queue.
+                raise ResourceExhausted(
+                    f"this worker is generating {held} of its {self.max_sequences} sequences; the request needs {needs}"
+                )
             self._active.extend(sequences)
 
     @property

@@ -248,6 +248,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             transfers_receiving=receiving,
             transfers_ready=ready,
             sequences_active=self.scheduler.num_active,
+            max_sequences=self.scheduler.max_sequences,
             bytes_held=transfer_bytes + self.scheduler.bytes_held(),
             transfers_completed=counters.completed,
             transfers_rejected=counters.rejected,

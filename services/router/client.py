@@ -97,6 +97,7 @@ async def decode_status(channels: Channels, worker: WorkerInfo, timeout: float =
         "torch_threads": status.torch_threads,
         "batch_invariant": status.batch_invariant,
         "sequences_active": status.sequences_active,
+        "max_sequences": status.max_sequences,
         "bytes_held": status.bytes_held,
         "prefix_cache": {
             "queried_tokens": status.prefix_queried_tokens,
