@@ -1,15 +1,22 @@
-"""One request through the workers: route, prefill (or not), generate, retry before the first token.
+"""One request through the workers: place, prefill (or not), generate, retry before the first token.
 
-Each attempt is client.generate_on, the one client of the worker services.
+Each attempt is client.generate_on, the one client of the worker services. Before each, the
+request is placed: routed (the policy) to a decode worker with room for its choices, whose
+sequences it then holds (`SEQUENCES`) until the attempt ends; while no worker has room it waits in
+the gateway's admission queue. A worker that is full after all (RESOURCE_EXHAUSTED: its other
+clients, or a give-back still on its way) puts the request back in the queue; that is not a
+failure.
 
-Async (grpc.aio) so the gateway's event loop carries many streams. Yields Tokens as they arrive
-and one Finished. A failure before any token was yielded is retried once on other workers; after
-that it is raised for the gateway to report. Closing the iterator (a client that went away, a
-stop string) cancels the downstream calls, and the decode worker frees the sequence.
+Async (grpc.aio) so the gateway's event loop carries many streams. Yields the Decision, Tokens as
+they arrive and one Finished per choice. A failure before any token was yielded is retried once on
+other workers; after that it is raised for the gateway to report. Closing the iterator (a client
+that went away, a stop string) cancels the downstream calls, and the decode worker frees the
+sequences.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,14 +25,14 @@ from contextlib import aclosing
 import grpc
 from opentelemetry import context as otel_context
 
-from services.router.admission import in_background, off_loop
+from services.router.admission import AdmissionQueue, Full, in_background, off_loop
 from services.router.client import Channels, Finished, Prefilled, Tokens, UpstreamError, WorkerFailed, generate_on
 from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision, NoWorkerError
 from services.router.prefixes import PrefixIndex, prompt_keys
 from services.router.tracing import annotate_decision
-from services.router.workers import DECODE_TOKENS, PREFILL_COST, Workers
-from shared.api.serving import Prepared
+from services.router.workers import DECODE_TOKENS, PREFILL_COST, SEQUENCES, Workers
+from shared.api.serving import Prepared, RequestError
 from shared.contract.prefix import BLOCK_TOKENS, held_layers
 from shared.models.text import TextModel
 from shared.net.telemetry import tracer
@@ -35,6 +42,12 @@ log = logging.getLogger(__name__)
 
 # Codes that say the request itself is wrong: retrying elsewhere would fail the same way.
 NOT_RETRIED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+# A worker with unknown capacity (a static address that has not answered Status yet) decides for
+# itself: placements there are counted but not bounded, and its refusal requeues the request.
+UNBOUNDED = 1 << 30
+# After a worker refused for want of room, the request waits this long (doubling) before its turn
+# comes again, so a worker that is fuller than the gateways count is not asked in a tight loop.
+FULL_BACKOFF_S = (0.05, 1.0)
 
 
 class DeadlineError(Exception):
@@ -52,8 +65,10 @@ class Dispatcher:
         auth: InternalAuth = NO_AUTH,
         attempt=generate_on,
         prefixes: PrefixIndex | None = None,
+        queue: AdmissionQueue | None = None,
     ):
         self.workers, self.policy, self.text, self.metrics, self.retries = workers, policy, text, metrics, retries
+        self.queue = queue or AdmissionQueue(metrics, max_queued=1024)  # the gateway's, shared with its Admission
         self.channels = Channels(auth)
         self.attempt = attempt  # client.generate_on; the retry tests give a scripted one
         self.prefixes = prefixes  # which worker holds which prompt start; None: no prefix caching
@@ -107,25 +122,92 @@ class Dispatcher:
         )
         return decision
 
+    def check_fits(self, all_prepared: list[Prepared]) -> None:
+        """A 400 that names the numbers for a prompt whose choices no live decode worker could ever
+        hold at once (each prompt's choices run together on one worker), before any work."""
+        capacities = [self.workers.capacity(w) for w in self._decoders(set())]
+        if not capacities or None in capacities:  # a worker with unknown capacity decides for itself
+            return
+        largest = max(capacities)
+        for prepared in all_prepared:
+            if prepared.sampling.n > largest:
+                raise RequestError(
+                    400,
+                    f"n={prepared.sampling.n} needs {prepared.sampling.n} sequences on one decode worker at once; "
+                    f"the largest live decode worker generates at most {largest}",
+                    "n",
+                    "too_many_choices",
+                )
+
+    def _decoders(self, exclude: set[str]) -> list:
+        name = self.text.name
+        return [w for w in self.workers.list() if w.role == "decode" and w.model == name and w.worker_id not in exclude]
+
+    def place(
+        self, prepared: Prepared, exclude: set[str], parent: otel_context.Context | None, keys: list[bytes]
+    ) -> Decision:
+        """Route to a decode worker with room for the prompt's choices and take that room; Full when
+        none has it. Blocking (Redis): run off the event loop."""
+        seats = prepared.sampling.n
+        decoders = self._decoders(exclude)
+        held = self.workers.loads(SEQUENCES)
+        capacity = {w.worker_id: self.workers.capacity(w) for w in decoders}
+        full = {
+            w.worker_id
+            for w in decoders
+            if capacity[w.worker_id] is not None and held.get(w.worker_id, 0) + seats > capacity[w.worker_id]
+        }
+        if decoders and len(full) == len(decoders):
+            room = ", ".join(
+                f"{w.address} holds {held.get(w.worker_id, 0):.0f} of {capacity[w.worker_id]}" for w in decoders
+            )
+            raise Full("workers", f"it needs {seats} sequences on one decode worker; {room}")
+        decision = self.choose(prepared, exclude | full, parent, keys)
+        worker = decision.decode
+        limit = capacity.get(worker.worker_id) or UNBOUNDED
+        if not self.workers.acquire(SEQUENCES, worker.worker_id, limit, seats):
+            raise Full("workers", f"another gateway took the room on {worker.address} first")
+        return decision
+
+    def _unplace(self, decision: Decision, seats: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Give a placement's sequences back (blocking: in a thread), then serve the queue."""
+        try:
+            self.workers.release(SEQUENCES, decision.decode.worker_id, seats)
+        finally:
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self.queue.wake)
+
     async def run(
-        self, prepared: Prepared, request_id: str, deadline: float, parent: otel_context.Context | None = None
-    ) -> AsyncIterator[Tokens | Finished]:
+        self,
+        prepared: Prepared,
+        request_id: str,
+        deadline: float,
+        parent: otel_context.Context | None = None,
+        caller: str = "",
+    ) -> AsyncIterator[Decision | Tokens | Finished]:
+        """caller: whose turn in the admission queue this request waits for."""
         exclude: set[str] = set()
-        attempt = 0
+        attempt, refusals, last_failure = 0, 0, None
+        seats, loop = prepared.sampling.n, asyncio.get_running_loop()
         # Hashed once, off the event loop: every attempt's routing and the index record use them.
         keys = await off_loop(self.keys, prepared) if self.prefixes is not None else []
         while True:
             try:
-                # The worker list may come from Redis: a blocking call, kept off the event loop.
-                decision = await off_loop(self.choose, prepared, exclude, parent, keys)
+                decision = await self.queue.take(
+                    caller,
+                    lambda: off_loop(self.place, prepared, exclude, parent, keys),
+                    lambda placed: self._unplace(placed, seats),
+                    deadline,
+                )
             except NoWorkerError:
-                if attempt == 0:
+                if last_failure is None:
                     raise
-                raise UpstreamError("the request failed and no other worker is live to retry it") from None
-            yield decision  # for the gateway's trace and response headers; not a token
-            emitted = False
-            await off_loop(self._add_load, decision, +1)  # Redis: in a thread, never on the loop
+                raise UpstreamError(f"{last_failure}; no other worker is live to retry it on") from None
+            emitted = added = False
             try:
+                yield decision  # for the gateway's trace and response headers; not a token
+                added = True  # before the call: a -1 that lands first still sums to nothing
+                await off_loop(self._add_load, decision, +1)  # Redis: in a thread, never on the loop
                 # aclosing: when the consumer leaves early, the attempt's calls are cancelled now,
                 # not when the garbage collector finalizes the generator.
                 attempt_events = self.attempt(
@@ -157,14 +239,26 @@ class Dispatcher:
                 if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
                     raise DeadlineError("the request did not finish before its deadline") from None
                 message = f"worker {failure.worker.address} failed: {error.code().name}: {error.details()}"
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not emitted:
+                    # Full, not failed: back to the queue after a pause, on any worker.
+                    log.info("request %s: %s; back in the queue", request_id, message)
+                    self.metrics.requeued.inc()
+                    pause = min(FULL_BACKOFF_S[0] * 2**refusals, FULL_BACKOFF_S[1])
+                    refusals += 1
+                    await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+                    continue
                 if emitted or attempt >= self.retries or error.code() in NOT_RETRIED:
                     raise UpstreamError(message) from None
                 log.warning("request %s: %s; retrying on another worker", request_id, message)
                 self.metrics.retries.inc()
                 exclude.add(failure.worker.worker_id)
+                last_failure = message
                 attempt += 1
             finally:
-                in_background(self._add_load, decision, -1)  # also while this task is being cancelled
+                # Also while this task is being cancelled: in threads, never awaited.
+                if added:
+                    in_background(self._add_load, decision, -1)
+                in_background(self._unplace, decision, seats, loop)
 
     def _prefilled(self, decision: Decision, keys: list[bytes], stats) -> None:
         """The prompt is prefilled: count what the cache gave, and note who holds the prompt now."""

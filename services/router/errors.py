@@ -6,6 +6,7 @@ import logging
 
 import redis
 
+from services.router.admission import ClientGone, QueueTimeout
 from services.router.client import UpstreamError
 from services.router.dispatch import DeadlineError
 from services.router.policy import NoWorkerError
@@ -21,6 +22,7 @@ KINDS = {
     408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    499: "client_closed_request",
     503: "service_unavailable",
     504: "timeout",
     500: "server_error",
@@ -41,9 +43,24 @@ def status_of(error: Exception) -> tuple[int, object]:
         return 503, error_body(f"no worker can take the request: {error}", KINDS[503], "no_worker")
     if isinstance(error, UpstreamError):
         return 503, error_body(str(error), KINDS[503], "upstream_failed")
+    if isinstance(error, QueueTimeout):
+        return 504, error_body(str(error), KINDS[504], "queue_timeout")
+    if isinstance(error, ClientGone):  # nobody reads it; nginx's code for the log and the metric
+        return 499, error_body(str(error), KINDS[499], "client_closed_request")
     if isinstance(error, DeadlineError):
         return 504, error_body(str(error), KINDS[504], "deadline_exceeded")
     if isinstance(error, redis.RedisError):
         return 503, error_body("shared state (Redis) is unavailable; retry shortly", KINDS[503], "state_unavailable")
     log.error("unexpected error", exc_info=error)
     return 500, error_body("internal error (see the gateway's log)", KINDS[500], "internal_error")
+
+
+def outcome_of(status: int) -> str:
+    """A completion request's `lazyserve_requests` outcome for an error status it ended with."""
+    if status == 429:
+        return "queue_full"
+    if status == 499:
+        return "cancelled"
+    if status == 504:
+        return "deadline"
+    return "client_error" if status < 500 else "server_error"

@@ -1,14 +1,18 @@
 """The OpenAI-compatible REST gateway (FastAPI): auth, validation, admission, routing, responses.
 
-Errors leave in OpenAI's format, translated in one place (errors.status_of): 400 bad input or
-context overflow, 401 key, 413 body size, 429 queue or per-key bound, 503 no worker or Redis down,
-504 deadline. Anything unexpected is logged and answered 500 without internals. Every Redis call
-runs in a thread (admission.off_loop), never on the event loop.
+Errors leave in OpenAI's format, translated in one place (errors.status_of): 400 bad input,
+context overflow or more choices than any worker holds, 401 key, 413 body size, 429 a full
+admission queue, 503 no worker or Redis down, 504 deadline (waiting in the queue included).
+Anything unexpected is logged and answered 500 without internals. A burst beyond the workers'
+room waits in the admission queue (services.router.admission); a client that goes away while its
+request waits or runs ends it (499 in the metrics and the log). Every Redis call runs in a thread
+(admission.off_loop), never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -26,11 +30,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.router.admission import Admission, Slot, off_loop
+from services.router.admission import Admission, AdmissionQueue, ClientGone, Slot, off_loop
 from services.router.auth import KeyStore
-from services.router.client import decode_status
+from services.router.client import DecodeClient, decode_status
 from services.router.dispatch import Dispatcher
-from services.router.errors import status_of
+from services.router.errors import outcome_of, status_of
 from services.router.metrics import GatewayMetrics
 from services.router.openapi import build_openapi
 from services.router.page import mount_page
@@ -47,7 +51,7 @@ from services.router.tracing import (
     finish_request_span,
     start_request_span,
 )
-from services.router.workers import DECODE_TOKENS, PREFILL_COST, RedisWorkers, StaticWorkers, Workers
+from services.router.workers import DECODE_TOKENS, PREFILL_COST, SEQUENCES, RedisWorkers, StaticWorkers, Workers
 from shared.api.logprobs import LogprobFormatter
 from shared.api.schemas import (
     DetokenizeRequest,
@@ -90,6 +94,19 @@ def static_workers(settings: GatewaySettings, model: str) -> StaticWorkers:
     return StaticWorkers(workers)
 
 
+def status_capacity(auth):
+    """StaticWorkers' ask_capacity: a decode worker's max_sequences, from its Status (blocking)."""
+
+    def ask(worker: WorkerInfo) -> int:
+        client = DecodeClient(worker.address, auth)
+        try:
+            return client.status(timeout=1.0).max_sequences or None
+        finally:
+            client.close()
+
+    return ask
+
+
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
@@ -112,6 +129,8 @@ class Gateway:
                 client = workers.client
             else:
                 workers = static_workers(settings, text.name)
+        if isinstance(workers, StaticWorkers) and workers.ask_capacity is None:
+            workers.ask_capacity = status_capacity(settings.internal_auth())
         self.workers = workers
         self.metrics = GatewayMetrics()
         self.records = RequestRecords(client, settings.request_record_ttl_s) if client is not None else None
@@ -123,10 +142,18 @@ class Gateway:
         prefixes = None  # where prompts are cached; None when the workers cache nothing
         if settings.engine.enable_prefix_caching:
             prefixes = RedisPrefixIndex(client) if client is not None else MemoryPrefixIndex()
+        self.queue = AdmissionQueue(self.metrics, settings.max_queued)
         self.dispatcher = Dispatcher(
-            workers, policy, text, self.metrics, settings.retries, settings.internal_auth(), prefixes=prefixes
+            workers,
+            policy,
+            text,
+            self.metrics,
+            settings.retries,
+            settings.internal_auth(),
+            prefixes=prefixes,
+            queue=self.queue,
         )
-        self.admission = Admission(workers, self.metrics, settings.max_in_flight, settings.max_streams_per_key)
+        self.admission = Admission(workers, self.metrics, self.queue, settings.max_streams_per_key)
         self.model_names = list(dict.fromkeys([text.name, *settings.served_model_names]))
         self.app = self._build_app()
 
@@ -219,7 +246,13 @@ class Gateway:
         try:
             await self.authorize(request)
             live = await off_loop(self.workers.list)
-            loads = await off_loop(lambda: (self.workers.loads(DECODE_TOKENS), self.workers.loads(PREFILL_COST)))
+            loads = await off_loop(
+                lambda: (
+                    self.workers.loads(DECODE_TOKENS),
+                    self.workers.loads(PREFILL_COST),
+                    self.workers.loads(SEQUENCES),
+                )
+            )
         except Exception as error:
             return self.error_response(error)
         answers = await self._decode_statuses(live, timeout=1.0)
@@ -235,6 +268,9 @@ class Gateway:
                 "batch_invariant": answered.get(w.address, {}).get("batch_invariant"),
                 # prefill workers are not asked (None)
                 "healthy": "error" not in answered[w.address] if w.address in answered else None,
+                # Decode workers: sequences the gateways placed there, of what it generates at once.
+                "sequences": loads[2].get(w.worker_id, 0.0) if w.role == "decode" else None,
+                "max_sequences": answered.get(w.address, {}).get("max_sequences") or None,
             }
             for w in live
         ]
@@ -249,6 +285,12 @@ class Gateway:
                 "stage_layers": self.text.spec.stage_layers,
             },
             "in_flight": self.admission.in_flight,
+            # Requests waiting for a worker's room or their key's bound (services.router.admission).
+            "queue": {
+                "depth": self.queue.depth,
+                "max": self.settings.max_queued,
+                "oldest_wait_s": round(self.queue.oldest_wait_s(), 3),
+            },
             "pruning_preset": self.text.default_preset,
             "pruning_presets": list(PRESET_NAMES),
             "max_depth_tokens": MAX_DEPTH_TOKENS,
@@ -336,7 +378,6 @@ class Gateway:
         elif isinstance(error, RequestValidationError):
             error = RequestError(400, str(error))
         status, body = status_of(error)
-        self.metrics.requests.labels("client_error" if status < 500 else "server_error").inc()
         headers = {"retry-after": "1"} if status in (429, 503) else None  # when to try again
         return JSONResponse({"error": body.model_dump()}, status_code=status, headers=headers)
 
@@ -344,12 +385,17 @@ class Gateway:
     async def complete(self, request: Request, url: str):
         operation = "chat" if url == CHAT_URL else "text_completion"
         span = start_request_span(request.headers, operation, self.text.name)
+        self.metrics.received.inc()
         try:
             response = await self.handle(request, url, span)
         except Exception as error:
             # Answered here rather than by a middleware handler: Starlette re-raises what reaches
             # its catch-all Exception handler, and the client would see a dropped connection.
-            finish_request_span(span, error=error, status_code=status_of(error)[0])
+            status = status_of(error)[0]
+            self.metrics.requests.labels(outcome_of(status)).inc()
+            if isinstance(error, ClientGone):
+                self.metrics.rejections.labels("cancelled").inc()
+            finish_request_span(span, error=error, status_code=status)
             return self.error_response(error)
         if not isinstance(response, StreamingResponse):
             span.end()  # streaming responses end their span when the stream ends
@@ -363,31 +409,37 @@ class Gateway:
         all_prepared = await off_loop(prepare_all, self.text, parsed)  # tokenizing is CPU work
         all_prepared = [dataclasses.replace(prepared, cache_salt=salt) for prepared in all_prepared]
         annotate_request(span, all_prepared[0], self.text.spec.num_layers)
-        slot = await self.admission.admit(caller)
+        try:
+            await off_loop(self.dispatcher.check_fits, all_prepared)  # 400 before any waiting
+        except RequestError:
+            self.metrics.rejections.labels("too_large").inc()
+            raise
+        self.queue.check_room()  # 429 when the queue is full
+        start = time.monotonic()
+        deadline = start + self.settings.request_timeout_s
+        slot = await until_gone(request, self.admission.admit(caller, deadline))
         streaming = False  # once true, the stream's body gives the slot back
         try:
-            start = time.monotonic()
             request_id = request_id_of(request)
             span.set_attribute("gen_ai.response.id", request_id)
-            deadline = start + self.settings.request_timeout_s
             jobs = []
             for index, prepared in enumerate(all_prepared):  # a completions request's list of prompts
                 own_id = request_id if len(all_prepared) == 1 else f"{request_id}-{index}"
-                events = self.dispatcher.run(prepared, own_id, deadline, context_of(span))
+                events = self.dispatcher.run(prepared, own_id, deadline, context_of(span), caller)
                 jobs.append(TextJob(events, self.text.tokenizer, prepared, self.metrics, start, own_id))
             job = jobs[0] if len(jobs) == 1 else JobGroup(jobs)
             try:
-                decision = await job.route()
+                decision = await until_gone(request, job.route())  # may wait in the queue
             except BaseException as error:
                 for each in jobs:
                     await each.events.aclose()
-                await self.record(job, "failed", error)
+                await self.record(job, "cancelled" if isinstance(error, ClientGone) else "failed", error)
                 raise
             annotate_decision(span, decision, self.dispatcher.policy.name)
             if parsed.stream:
                 body, streaming = self._stream(job, parsed, slot, span), True
                 return StreamingResponse(body, media_type="text/event-stream", headers=job.headers)
-            response = await self._collect(job, parsed, span)
+            response = await until_gone(request, self._collect(job, parsed, span))
             await slot.give_back()
             return response
         except Exception:
@@ -405,7 +457,6 @@ class Gateway:
 
         def on_error(error):
             failures.append(error)
-            self.metrics.requests.labels("server_error").inc()
             return status_of(error)
 
         async def body():
@@ -420,8 +471,7 @@ class Gateway:
                 outcome = "failed" if failures else "ok"
             finally:
                 slot.release()
-                if outcome != "failed":  # a failure was counted by on_error
-                    self.metrics.requests.labels(outcome).inc()
+                self.metrics.requests.labels(outcome).inc()
                 span.set_attribute("lazyserve.outcome", outcome)
                 error = failures[0] if failures else None
                 finish_request_span(span, job, error, 200)
@@ -436,8 +486,9 @@ class Gateway:
         try:
             async for _ in job.deltas():
                 pass
-        except BaseException as error:
-            await self.record(job, "failed", error)
+        except BaseException as error:  # cancelled: the client went away (until_gone)
+            outcome = "cancelled" if isinstance(error, asyncio.CancelledError) else "failed"
+            await asyncio.shield(self.record(job, outcome, None if outcome == "cancelled" else error))
             raise
         self.metrics.requests.labels("ok").inc()
         await self.record(job, "ok")
@@ -524,6 +575,30 @@ def nested_deeper_than(raw: bytes, limit: int) -> bool:
         if not removed:
             return False  # unbalanced: json.loads says where
     return bool(brackets)
+
+
+async def until_gone(request: Request, work):
+    """Await `work` (a coroutine) unless the client goes away first: then it is cancelled (what it
+    held is given back by its own cleanup) and ClientGone is raised. The request body must have
+    been read: the next message the server has for this request is its disconnect."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # this task itself cancelled: so is the work
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientGone("the client went away before its request finished")
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _validated(schema, body: dict):

@@ -92,4 +92,28 @@ class GatewayMetrics:
         self.prefix_evictions = Gauge(
             "lazyserve_prefix_cache_evictions", "blocks a worker's prefix cache has evicted", ["worker"], registry=r
         )
-        self.in_flight = Gauge("lazyserve_in_flight_requests", "requests in progress", registry=r)
+        self.in_flight = Gauge(
+            "lazyserve_in_flight_requests", "requests admitted (past their caller's bound) and not ended", registry=r
+        )
+        # Every completion request received ends in exactly one `lazyserve_requests` outcome: ok,
+        # cancelled (the client went away), failed (an error event mid-stream), client_error (4xx
+        # but 429), queue_full (429), deadline (504), server_error (other 5xx).
+        self.received = Counter("lazyserve_requests_received", "completion requests received", registry=r)
+        self.queue_depth = Gauge(
+            "lazyserve_queue_depth", "requests waiting for their caller's bound or a worker's room", registry=r
+        )
+        self.queue_wait = Histogram(
+            "lazyserve_queue_wait_seconds",
+            "time from arrival to admission, per admission step (0 when nothing had to wait)",
+            buckets=(0.0, *LATENCY_BUCKETS, 256, 512),
+            registry=r,
+        )
+        self.rejections = Counter(
+            "lazyserve_rejections",
+            "requests refused or given up while waiting, by reason (queue_full, too_large, deadline, cancelled)",
+            ["reason"],
+            registry=r,
+        )
+        self.requeued = Counter(
+            "lazyserve_requeued", "attempts a full decode worker refused, put back in the queue", registry=r
+        )

@@ -190,9 +190,11 @@ class JobGroup:
         self.decision: Decision | None = None
 
     async def route(self) -> Decision:
-        """Route every prompt; the first one's decision names the response's headers."""
-        decisions = [await job.route() for job in self.jobs]
-        self.decision = decisions[0]
+        """Route the first prompt: its decision names the response's headers. The others are
+        routed as they run (deltas), each when a worker has room for it: routing them all first
+        would hold room for prompts that cannot start, and a request with more choices than the
+        workers hold at once would wait for itself."""
+        self.decision = await self.jobs[0].route()
         return self.decision
 
     async def deltas(self) -> AsyncIterator[tuple[int, str, list[Sampled]]]:

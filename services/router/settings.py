@@ -45,10 +45,17 @@ class GatewaySettings(InternalAuthSettings):
         None, description="None: required unless the gateway listens on loopback only (local development)"
     )
     max_streams_per_key: int = Field(
-        16, ge=1, description="requests in progress per API key (or per client without keys)"
+        1024,
+        ge=1,
+        description="requests in progress per API key (or per client without keys) on all gateways; "
+        "more wait in the queue, in turn with other keys' requests",
     )
-    max_in_flight: int = Field(64, ge=1, description="requests in progress; more get 429")
-    request_timeout_s: float = Field(600.0, gt=0, description="past this a request ends with 504")
+    max_queued: int = Field(
+        1024, ge=1, description="requests waiting for a worker's room or their key's bound; more get 429"
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="past this a request ends with 504, waiting in the queue included"
+    )
     max_body_bytes: int = Field(4 << 20, ge=1024)
     max_body_depth: int = Field(
         64, ge=4, description="nesting of arrays and objects a body may have, checked before it is parsed"

@@ -4,15 +4,18 @@ Load is two numbers per worker: outstanding predicted prefill cost (prefill work
 outstanding tokens (decode workers). In Redis they are hash fields updated with HINCRBYFLOAT,
 atomic, one share per router replica, summed by readers, so several routers balance on the same
 picture. The same shares count each API key's requests in progress (STREAMS), so a key's limit
-holds across all gateway replicas rather than per replica.
+holds across all gateway replicas rather than per replica, and the sequences placed on each decode
+worker (SEQUENCES), so replicas admit against one count of its room (services.router.admission).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Protocol
 
 import redis
@@ -22,27 +25,30 @@ from shared.net.registry import PREFIX, WorkerInfo, connect, list_workers
 log = logging.getLogger(__name__)
 
 PREFILL_COST, DECODE_TOKENS, STREAMS = "prefill_cost", "decode_tokens", "streams"
-KINDS = (PREFILL_COST, DECODE_TOKENS, STREAMS)
+SEQUENCES = "sequences"  # sequences the gateways have placed on each decode worker (admission)
+KINDS = (PREFILL_COST, DECODE_TOKENS, STREAMS, SEQUENCES)
 ROUTERS = f"{PREFIX}:routers"  # ids of router replicas that have held load (shares expire on their own)
 
-# Check and take one unit in a single step, so two replicas cannot both see "one left" and both
-# take it. Reads other replicas' shares by name, which a Redis Cluster would refuse (standalone
+# Check and take `amount` units in a single step, so two replicas cannot both see "room left" and
+# both take it. Reads other replicas' shares by name, which a Redis Cluster would refuse (standalone
 # Redis, as deployed here, is fine).
-# KEYS: the router-id set, this router's share. ARGV: share-key prefix, field, limit, TTL ms, router id.
+# KEYS: the router-id set, this router's share.
+# ARGV: share-key prefix, field, limit, TTL ms, router id, amount.
 _ACQUIRE = """
 local total = 0
 for _, router in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   total = total + tonumber(redis.call('HGET', ARGV[1] .. router, ARGV[2]) or '0')
 end
-if total >= tonumber(ARGV[3]) then return 0 end
-redis.call('HINCRBYFLOAT', KEYS[2], ARGV[2], 1)
+if total + tonumber(ARGV[6]) > tonumber(ARGV[3]) then return 0 end
+redis.call('HINCRBYFLOAT', KEYS[2], ARGV[2], ARGV[6])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('SADD', KEYS[1], ARGV[5])
 return 1
 """
-# KEYS: this router's share. ARGV: field. A field back at zero is removed (callers come and go).
+# KEYS: this router's share. ARGV: field, amount. A field back at zero is removed (callers come and go).
 _RELEASE = """
-if tonumber(redis.call('HINCRBYFLOAT', KEYS[1], ARGV[1], -1)) <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+local left = tonumber(redis.call('HINCRBYFLOAT', KEYS[1], ARGV[1], -tonumber(ARGV[2])))
+if left <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
 return 1
 """
 
@@ -54,20 +60,49 @@ class Workers(Protocol):
 
     def loads(self, kind: str) -> dict[str, float]: ...
 
-    def acquire(self, kind: str, field: str, limit: int) -> bool:
-        """Take one unit of `field` if fewer than `limit` are held (by all routers); False if not."""
+    def acquire(self, kind: str, field: str, limit: int, amount: int = 1) -> bool:
+        """Take `amount` units of `field` if that keeps all routers' total within `limit`; False if not."""
         ...
 
-    def release(self, kind: str, field: str) -> None: ...
+    def release(self, kind: str, field: str, amount: int = 1) -> None: ...
+
+    def capacity(self, worker: WorkerInfo) -> int | None:
+        """The sequences a decode worker reports it generates at once; None while unknown."""
+        ...
 
 
 class StaticWorkers:
-    """The single-host mode: addresses from settings, load kept in this process."""
+    """The single-host mode: addresses from settings, load kept in this process.
 
-    def __init__(self, workers: list[WorkerInfo]):
+    A static address says nothing of its worker's capacity: `ask_capacity(worker)` (the gateway's:
+    the worker's Status) is asked for it, at most once per `ask_every_s` until it answers.
+    """
+
+    def __init__(
+        self,
+        workers: list[WorkerInfo],
+        ask_capacity: Callable[[WorkerInfo], int] | None = None,
+        ask_every_s: float = 1.0,
+    ):
         self.workers = workers
         self._load: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._lock = threading.Lock()
+        self.ask_capacity, self._ask_every_s = ask_capacity, ask_every_s
+        self._capacity: dict[str, int] = {}
+        self._asked: dict[str, float] = {}
+
+    def capacity(self, worker: WorkerInfo) -> int | None:
+        if worker.worker_id in self._capacity or self.ask_capacity is None:
+            return self._capacity.get(worker.worker_id)
+        now = time.monotonic()
+        if now - self._asked.get(worker.worker_id, -self._ask_every_s) < self._ask_every_s:
+            return None
+        self._asked[worker.worker_id] = now
+        try:
+            self._capacity[worker.worker_id] = self.ask_capacity(worker)
+        except Exception as error:  # not up yet, or gone: it decides for itself meanwhile
+            log.info("decode worker %s did not report its capacity: %s", worker.address, error)
+        return self._capacity.get(worker.worker_id)
 
     def list(self) -> list[WorkerInfo]:
         return list(self.workers)
@@ -80,16 +115,16 @@ class StaticWorkers:
         with self._lock:
             return dict(self._load[kind])
 
-    def acquire(self, kind: str, field: str, limit: int) -> bool:
+    def acquire(self, kind: str, field: str, limit: int, amount: int = 1) -> bool:
         with self._lock:
-            if self._load[kind][field] >= limit:
+            if self._load[kind][field] + amount > limit:
                 return False
-            self._load[kind][field] += 1
+            self._load[kind][field] += amount
             return True
 
-    def release(self, kind: str, field: str) -> None:
+    def release(self, kind: str, field: str, amount: int = 1) -> None:
         with self._lock:
-            self._load[kind][field] -= 1
+            self._load[kind][field] -= amount
             if self._load[kind][field] <= 0:
                 del self._load[kind][field]
 
@@ -117,6 +152,9 @@ class RedisWorkers:
     def list(self) -> list[WorkerInfo]:
         return list_workers(self.client)
 
+    def capacity(self, worker: WorkerInfo) -> int | None:
+        return worker.capacity  # registered by the worker itself (its max_sequences)
+
     def _key(self, kind: str, router_id: str) -> str:
         return f"{PREFIX}:load:{kind}:{router_id}"
 
@@ -134,14 +172,14 @@ class RedisWorkers:
             pipe.sadd(ROUTERS, self.router_id)
             pipe.execute()
 
-    def acquire(self, kind: str, field: str, limit: int) -> bool:
+    def acquire(self, kind: str, field: str, limit: int, amount: int = 1) -> bool:
         self._hold_share()
         keys = [ROUTERS, self._key(kind, self.router_id)]
-        args = [self._key(kind, ""), field, limit, int(self.ttl_s * 1000), self.router_id]
+        args = [self._key(kind, ""), field, limit, int(self.ttl_s * 1000), self.router_id, amount]
         return bool(self._acquire(keys=keys, args=args))
 
-    def release(self, kind: str, field: str) -> None:
-        self._release(keys=[self._key(kind, self.router_id)], args=[field])
+    def release(self, kind: str, field: str, amount: int = 1) -> None:
+        self._release(keys=[self._key(kind, self.router_id)], args=[field, amount])
 
     def loads(self, kind: str) -> dict[str, float]:
         routers = sorted(self.client.smembers(ROUTERS))

@@ -168,17 +168,30 @@ def test_no_worker_is_503(gateway):
     assert error.value.status_code == 503 and "no decode worker" in error.value.body["message"]
 
 
-def test_queue_bound_is_429(tiny_llama, decode_worker, gateway):
-    decode, _ = decode_worker(tiny_llama)
-    running = gateway(decode_workers=[decode.address], max_in_flight=1)
+def test_a_burst_waits_and_a_full_queue_is_429(tiny_llama, decode_worker, gateway):
+    # A worker of one sequence and a queue of one: one request runs, one waits, the next is refused.
+    decode, _ = decode_worker(tiny_llama, max_sequences=1)
+    running = gateway(decode_workers=[decode.address], max_queued=1)
     client = running.openai()
     stream = client.completions.create(
         model="tiny-llama", prompt=random_ids(tiny_llama, 20), max_tokens=1500, stream=True
     )
     next(iter(stream))  # one request in progress
-    with pytest.raises(openai.RateLimitError):
-        client.completions.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=2)
-    stream.close()
+    queued: list = []
+    waiter = threading.Thread(
+        target=lambda: queued.append(client.completions.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=2))
+    )
+    waiter.start()
+    assert wait_for(lambda: httpx.get(f"{running.url}/status").json()["queue"]["depth"] == 1, timeout=10)
+    reply = httpx.post(f"{running.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=10)
+    assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
+    assert reply.json()["error"]["message"] == "1 requests are waiting for a worker already; retry later"
+    stream.close()  # the room comes back: the waiting request runs
+    waiter.join(timeout=30)
+    assert queued and queued[0].usage.completion_tokens == 2
+    metrics = httpx.get(f"{running.url}/metrics").text
+    assert 'lazyserve_rejections_total{reason="queue_full"} 1.0' in metrics
+    assert "lazyserve_queue_depth 0.0" in metrics
 
 
 def test_deadline_is_504(tiny_llama, decode_worker, gateway):
@@ -388,9 +401,9 @@ def test_tokenize_detokenize_and_version(stack, tiny_text):
 class _SlowRelease(StaticWorkers):
     """A store whose give-back takes a while, as a slow Redis's would (not causable for real here)."""
 
-    def release(self, kind: str, field: str) -> None:
+    def release(self, kind: str, field: str, amount: int = 1) -> None:
         time.sleep(0.2)
-        super().release(kind, field)
+        super().release(kind, field, amount)
 
 
 def test_a_finished_request_never_counts_against_its_clients_next_one(tiny_llama, decode_worker, gateway):
@@ -408,7 +421,7 @@ def test_a_finished_request_never_counts_against_its_clients_next_one(tiny_llama
             assert client.completions.create(**kwargs).choices
 
 
-def test_every_429_says_when_to_retry(tiny_llama, decode_worker, gateway):
+def test_a_client_at_its_bound_waits_instead_of_being_refused(tiny_llama, decode_worker, gateway):
     decode, _ = decode_worker(tiny_llama)
     running = gateway(decode_workers=[decode.address], max_streams_per_key=1)
     client = running.openai()
@@ -416,9 +429,16 @@ def test_every_429_says_when_to_retry(tiny_llama, decode_worker, gateway):
         model="tiny-llama", prompt=random_ids(tiny_llama, 20), max_tokens=1500, stream=True
     )
     next(iter(stream))
+    # Keys are off: the bound is per client address, whatever token a client sends.
     body = {"prompt": [1, 2], "max_tokens": 1}
-    # Keys are off: the limit is per client address, whatever token a client sends.
-    reply = httpx.post(f"{running.url}/v1/completions", json=body, timeout=10)
-    assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
-    assert "client address" in reply.json()["error"]["message"]
+    replies: list = []
+    waiter = threading.Thread(
+        target=lambda: replies.append(httpx.post(f"{running.url}/v1/completions", json=body, timeout=30))
+    )
+    waiter.start()
+    assert wait_for(lambda: httpx.get(f"{running.url}/status").json()["queue"]["depth"] == 1, timeout=10)
+    time.sleep(0.5)
+    assert not replies  # still waiting, not refused
     stream.close()
+    waiter.join(timeout=30)
+    assert replies[0].status_code == 200 and replies[0].json()["usage"]["completion_tokens"] == 1

@@ -104,7 +104,6 @@ def test_300_requests_end_cleanly_and_leave_nothing_behind(local_ray, gateway):
             prefill_workers=actor_addresses(actors),
             decode_workers=[address for _, address in decoders],
             local_threshold=256,
-            max_in_flight=64,
             request_timeout_s=DEADLINE_S,
         )
         warm = asyncio.run(_replay(running.url, _workload(48, seed=1)))

@@ -305,13 +305,20 @@ def test_compare_shows_both_answers_and_where_they_part(page, stack):
 
 
 def test_the_service_view_lists_the_workers_and_refreshes(page, stack):
+    from services.decode.settings import DecodeSettings
+
     page.get_by_role("tab", name="Service").click()
     rows = page.get_by_role("table", name="Workers").locator("tbody tr")
     rows.first.wait_for()
-    seen = {tuple(row.locator("td").all_inner_texts()[i] for i in (0, 1, 4)) for row in rows.all()}
-    assert seen == {("decode", stack.decode.address, "healthy"), ("prefill", stack.prefill.address, "not asked")}
+    seen = {tuple(row.locator("td").all_inner_texts()[i] for i in (0, 1, 4, 5)) for row in rows.all()}
+    # The decode worker's sequences: what the gateway placed there, of what it reports it holds.
+    assert seen == {
+        ("decode", stack.decode.address, f"0 of {DecodeSettings().max_sequences}", "healthy"),
+        ("prefill", stack.prefill.address, "–", "not asked"),
+    }
     cards = figures(page.locator("#service-figures"))
     assert cards["in flight"] == "0" and cards["pruning preset"] == "default" and cards["prefix caching"] == "on"
+    assert cards["queued"] == "0 of 1024" and cards["oldest queued"] == "–"
     updated = page.locator("#service-updated").inner_text()
     expect(page.locator("#service-updated")).not_to_have_text(updated, timeout=10_000)  # polled again
     shot(page, "service")

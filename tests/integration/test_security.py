@@ -3,7 +3,10 @@ stream limits, bytes that are not a request, oversized messages, and no unpickli
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import grpc
+import httpx
 import openai
 import pytest
 from helpers import encode_transfer, random_ids
@@ -74,11 +77,16 @@ def test_concurrent_streams_per_key_are_limited(tiny_llama, decode_worker, gatew
         model="tiny-llama", prompt=[1, 2, 3], max_tokens=1500, stream=True
     )
     next(iter(stream))
-    with pytest.raises(openai.RateLimitError) as error:
-        running.openai(api_key="key-a").completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1)
-    assert "this key" in error.value.body["message"]
+    # Key A is at its bound: its next request waits (not refused) while key B is served.
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+        running.openai(api_key="key-a").completions.create, model="tiny-llama", prompt=[1, 2], max_tokens=1
+    )
     assert running.openai(api_key="key-b").completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1).choices
+    assert not waiting.done()
+    status = httpx.get(f"{running.url}/status", headers={"Authorization": "Bearer key-b"}).json()
+    assert status["queue"]["depth"] == 1
     stream.close()
+    assert waiting.result(timeout=30).usage.completion_tokens == 1
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

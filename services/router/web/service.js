@@ -1,6 +1,6 @@
 // The service view: GET /status every few seconds while the view is shown (and the tab visible):
-// requests in flight, the last minute's TTFT p50/p95 and tokens/s, the preset in force, and the
-// workers with their load and health.
+// requests in flight and waiting in the admission queue, the last minute's TTFT p50/p95 and
+// tokens/s, the preset in force, and the workers with their load, sequences and health.
 
 import { getJson } from "./api.js";
 import { $, figureList } from "./dom.js";
@@ -22,6 +22,8 @@ export function drawStatus(status) {
   const recent = status.recent;
   figureList($("service-figures"), [
     ["in flight", String(status.in_flight)],
+    ["queued", `${status.queue.depth} of ${status.queue.max}`],
+    ["oldest queued", status.queue.depth ? seconds(status.queue.oldest_wait_s) : "–"],
     ["TTFT p50 (last minute)", seconds(recent.ttft_p50_s)],
     ["TTFT p95 (last minute)", seconds(recent.ttft_p95_s)],
     ["tokens/s (last minute)", recent.tokens_per_s.toFixed(1)],
@@ -36,6 +38,8 @@ export function drawStatus(status) {
     cell(row, worker.address);
     cell(row, worker.dtype ?? "–");
     cell(row, `${Math.round(worker.load).toLocaleString()} ${worker.load_unit}`);
+    const held = worker.sequences === null ? "–" : String(Math.round(worker.sequences));
+    cell(row, worker.max_sequences ? `${held} of ${worker.max_sequences}` : held);
     const health = worker.healthy === null ? "not asked" : worker.healthy ? "healthy" : "not answering";
     cell(row, health, worker.healthy === false ? "bad" : worker.healthy ? "good" : "");
     return row;
