@@ -8,8 +8,9 @@ text, streamed completions through the REST API) replayed against:
   cores: prefill and decode on separate cores; 2: both share both);
 - `--stack workers`: prefill actors on a local Ray and decode worker processes started here, and
   for each routing policy a gateway over the same workers (length-aware vs round-robin).
-`--concurrency N` replaces the arrivals with N closed-loop streams (each sends its next request
-when its last one ends), as vLLM's and SGLang's serving benchmarks do with max concurrency;
+`--concurrency N [N ...]` replaces the arrivals with N closed-loop streams (each sends its next
+request when its last one ends), as vLLM's and SGLang's serving benchmarks do with max
+concurrency; with `--stack up`, one run per value on the same stack, side by side;
 `--ignore-eos` makes every answer --max-tokens long.
 Reports TTFT, inter-token latency (ITL: every gap between two streamed tokens, pooled), time per
 output token (TPOT: each request's mean gap) and end-to-end p50 / p99, output tokens/s,
@@ -200,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--stack up: one run per preset (up's --pruning), side by side; default: up's own",
     )
     parser.add_argument(
-        "--concurrency", type=int, default=0, help="closed-loop streams instead of Poisson arrivals (0: arrivals)"
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="closed-loop streams instead of Poisson arrivals (0: arrivals); --stack up: one run per value "
+        "(--stack workers: the first)",
     )
     parser.add_argument("--ignore-eos", action="store_true", help="every answer --max-tokens long")
     parser.add_argument("--dtype", default=None, help="the workers' dtype (default: theirs, auto)")
@@ -230,11 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     report = {"args": vars(args), "workload": [length for _, length in items], "policies": {}}
     if args.stack == "up":
         for threads, pruning in [(threads, pruning) for threads in args.up_threads for pruning in args.pruning]:
-            outcomes, wall = _through_up(args, threads, pruning, items, prompts)
-            summary = summarize(outcomes, wall, args.slo_ttft, args.slo_tpot)
-            name = f"up threads={threads}" + (f" pruning={pruning}" if pruning else "")
-            report["policies"][name] = {"summary": summary, "requests": [asdict(o) for o in outcomes]}
-            print(f"{name}: {summary['ok']}/{summary['requests']} ok in {wall:.0f} s", flush=True)
+            for concurrency, (outcomes, wall) in _through_up(args, threads, pruning, items, prompts).items():
+                summary = summarize(outcomes, wall, args.slo_ttft, args.slo_tpot)
+                name = f"up threads={threads}" + (f" pruning={pruning}" if pruning else "")
+                name += f" concurrency={concurrency}" if len(args.concurrency) > 1 else ""
+                report["policies"][name] = {"summary": summary, "requests": [asdict(o) for o in outcomes]}
+                print(f"{name}: {summary['ok']}/{summary['requests']} ok in {wall:.0f} s", flush=True)
     else:
         _through_workers(args, items, prompts, report)
     _print(report)
@@ -243,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _through_up(args, threads: str, pruning: str | None, items, prompts) -> tuple[list[Outcome], float]:
-    """Start `lazyserve up` with its defaults (and the flags given), replay the workload, stop it."""
+def _through_up(args, threads: str, pruning: str | None, items, prompts) -> dict[int, tuple[list[Outcome], float]]:
+    """Start `lazyserve up` with its defaults (and the flags given), replay the workload once per
+    --concurrency value, stop it: {concurrency: (outcomes, wall seconds)}."""
     flags = ["--prefill-actors", str(args.prefill_workers)] if args.prefill_workers else []
     flags += ["--decode-workers", str(args.decode_workers)] if args.decode_workers else []
     flags += ["--local-threshold", str(args.local_threshold)] if args.local_threshold is not None else []
@@ -253,11 +261,14 @@ def _through_up(args, threads: str, pruning: str | None, items, prompts) -> tupl
     flags += ["--pruning", pruning] if pruning else []
     with running_up(args.model, flags, args.max_seconds) as url:
         asyncio.run(replay(url, [(0.0, 300)], [prompts[0][:300]], 2, 120))  # warm-up
-        start = time.monotonic()
-        outcomes = asyncio.run(
-            replay(url, items, prompts, args.max_tokens, args.max_seconds, args.concurrency, args.ignore_eos)
-        )
-        return outcomes, time.monotonic() - start
+        runs = {}
+        for concurrency in args.concurrency:
+            start = time.monotonic()
+            outcomes = asyncio.run(
+                replay(url, items, prompts, args.max_tokens, args.max_seconds, concurrency, args.ignore_eos)
+            )
+            runs[concurrency] = outcomes, time.monotonic() - start
+        return runs
 
 
 @contextlib.contextmanager
@@ -342,7 +353,7 @@ def _through_workers(args, items, prompts, report: dict) -> None:
                 asyncio.run(replay(url, [(0.0, 300)], [prompts[0][:300]], 2, 120))  # warm-up
                 start = time.monotonic()
                 outcomes = asyncio.run(
-                    replay(url, items, prompts, args.max_tokens, args.max_seconds, args.concurrency, args.ignore_eos)
+                    replay(url, items, prompts, args.max_tokens, args.max_seconds, args.concurrency[0], args.ignore_eos)
                 )
                 wall = time.monotonic() - start
             finally:
@@ -407,11 +418,34 @@ def _print(report: dict) -> None:
         report["p99_ttft_length_over_round_robin"] = ratio
         print(f"\np99 TTFT, length-aware / round-robin: {ratio:.3f} (target <= 0.8)")
     report["against_off"] = against_off(policies)
+    report["against_lowest_concurrency"] = against_lowest_concurrency(policies)
+    for name, ratio in report["against_lowest_concurrency"].items():
+        tokens, errors = ratio["output_tokens_per_s"], ratio["errors"]
+        print(f"{name}: output tok/s x{tokens:.2f} of the lowest concurrency's, {errors} errors")
     for name, ratios in report["against_off"].items():
         print(
             f"{name} against pruning=off: output tok/s {ratios['output_tokens_per_s']:.2f}x, "
             f"ITL p50 {ratios['itl_p50']:.2f}x, TTFT p50 {ratios['ttft_p50_speedup']:.2f}x faster"
         )
+
+
+def against_lowest_concurrency(policies: dict) -> dict:
+    """Each `concurrency=N` run against the lowest N with the rest of its name the same: output
+    tokens/s as a ratio, and its errors (a burst above the workers' room must queue, not fail)."""
+    groups: dict[str, dict[int, dict]] = {}
+    for name, entry in policies.items():
+        base, _, concurrency = name.partition(" concurrency=")
+        if concurrency:
+            groups.setdefault(base, {})[int(concurrency)] = entry["summary"]
+    ratios = {}
+    for base, runs in groups.items():
+        lowest = runs[min(runs)]
+        for concurrency, summary in sorted(runs.items()):
+            ratios[f"{base} concurrency={concurrency}"] = {
+                "output_tokens_per_s": summary["output_tokens_per_s"] / lowest["output_tokens_per_s"],
+                "errors": summary["errors"],
+            }
+    return ratios
 
 
 def against_off(policies: dict) -> dict:
