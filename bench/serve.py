@@ -133,6 +133,16 @@ async def replay(
         return outcomes
 
 
+def sample_prompts(corpus: list[int], items, seed: int) -> list[list[int]]:
+    """A prompt of each item's length, cut from the corpus at random offsets."""
+    rng = random.Random(seed)
+    prompts = []
+    for _, length in items:
+        offset = rng.randrange(0, len(corpus) - length)
+        prompts.append(corpus[offset : offset + length])
+    return prompts
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(v for v in values if not math.isnan(v))
     if not values:
@@ -228,15 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     text = load_text_model(args.model)
     corpus = text.tokenizer(reference_text()).input_ids
     items = workload(args.requests, args.rate, args.min_len, args.max_len, args.seed)
-    rng = random.Random(args.seed + 1)
-    prompts = []
-    for _, length in items:
-        offset = rng.randrange(0, len(corpus) - length)
-        prompts.append(corpus[offset : offset + length])
+    # One prompt set per --concurrency value: the same lengths, other text, so that a run on the
+    # same stack finds nothing of the previous one's in the prefix cache.
+    prompt_sets = [sample_prompts(corpus, items, args.seed + 1 + run) for run in range(len(args.concurrency))]
+    prompts = prompt_sets[0]
     report = {"args": vars(args), "workload": [length for _, length in items], "policies": {}}
     if args.stack == "up":
         for threads, pruning in [(threads, pruning) for threads in args.up_threads for pruning in args.pruning]:
-            for concurrency, (outcomes, wall) in _through_up(args, threads, pruning, items, prompts).items():
+            for concurrency, (outcomes, wall) in _through_up(args, threads, pruning, items, prompt_sets).items():
                 summary = summarize(outcomes, wall, args.slo_ttft, args.slo_tpot)
                 name = f"up threads={threads}" + (f" pruning={pruning}" if pruning else "")
                 name += f" concurrency={concurrency}" if len(args.concurrency) > 1 else ""
@@ -250,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _through_up(args, threads: str, pruning: str | None, items, prompts) -> dict[int, tuple[list[Outcome], float]]:
+def _through_up(args, threads: str, pruning: str | None, items, prompt_sets) -> dict[int, tuple[list[Outcome], float]]:
     """Start `lazyserve up` with its defaults (and the flags given), replay the workload once per
-    --concurrency value, stop it: {concurrency: (outcomes, wall seconds)}."""
+    --concurrency value (each with its prompt set), stop it: {concurrency: (outcomes, wall seconds)}."""
     flags = ["--prefill-actors", str(args.prefill_workers)] if args.prefill_workers else []
     flags += ["--decode-workers", str(args.decode_workers)] if args.decode_workers else []
     flags += ["--local-threshold", str(args.local_threshold)] if args.local_threshold is not None else []
@@ -260,9 +269,9 @@ def _through_up(args, threads: str, pruning: str | None, items, prompts) -> dict
     flags += [] if threads == "auto" else ["--threads", str(int(threads))]
     flags += ["--pruning", pruning] if pruning else []
     with running_up(args.model, flags, args.max_seconds) as url:
-        asyncio.run(replay(url, [(0.0, 300)], [prompts[0][:300]], 2, 120))  # warm-up
+        asyncio.run(replay(url, [(0.0, 300)], [prompt_sets[0][0][:300]], 2, 120))  # warm-up
         runs = {}
-        for concurrency in args.concurrency:
+        for concurrency, prompts in zip(args.concurrency, prompt_sets):
             start = time.monotonic()
             outcomes = asyncio.run(
                 replay(url, items, prompts, args.max_tokens, args.max_seconds, concurrency, args.ignore_eos)

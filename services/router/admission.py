@@ -85,6 +85,7 @@ class _Waiter:
     undo: Callable[[Any], None] = field(compare=False)  # gives back what a take got, off the loop
     future: asyncio.Future = field(compare=False)
     reason: str = field(default="", compare=False)  # what it last found full
+    started: float = field(default=0.0, compare=False)  # time.monotonic() when it arrived
 
 
 class AdmissionQueue:
@@ -140,10 +141,8 @@ class AdmissionQueue:
                 return result
         else:
             reason = "others are waiting"
-        waiter = _Waiter(
-            self._turn_of(caller), next(self._arrivals), caller, take, undo, asyncio.get_running_loop().create_future()
-        )
-        waiter.started, waiter.reason = start, reason
+        future = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(self._turn_of(caller), next(self._arrivals), caller, take, undo, future, reason, start)
         heapq.heappush(self._heap, waiter)
         self._changed()
         got = False

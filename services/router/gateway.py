@@ -97,10 +97,10 @@ def static_workers(settings: GatewaySettings, model: str) -> StaticWorkers:
 def status_capacity(auth):
     """StaticWorkers' ask_capacity: a decode worker's max_sequences, from its Status (blocking)."""
 
-    def ask(worker: WorkerInfo) -> int:
+    def ask(worker: WorkerInfo) -> int | None:
         client = DecodeClient(worker.address, auth)
         try:
-            return client.status(timeout=1.0).max_sequences or None
+            return client.status(timeout=1.0).max_sequences or None  # 0: a worker too old to say
         finally:
             client.close()
 

@@ -81,7 +81,7 @@ class StaticWorkers:
     def __init__(
         self,
         workers: list[WorkerInfo],
-        ask_capacity: Callable[[WorkerInfo], int] | None = None,
+        ask_capacity: Callable[[WorkerInfo], int | None] | None = None,
         ask_every_s: float = 1.0,
     ):
         self.workers = workers
