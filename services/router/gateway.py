@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from services.router.admission import Admission, AdmissionQueue, ClientGone, Slot, off_loop
 from services.router.auth import KeyStore
@@ -535,6 +536,8 @@ class Gateway:
             raise RequestError(
                 408, f"the request body did not arrive within {self.settings.body_timeout_s} s"
             ) from None
+        except ClientDisconnect:  # gone before its body arrived: a client that left, not our error
+            raise ClientGone("the client went away before its request body arrived") from None
         raw = b"".join(chunks)
         depth = self.settings.max_body_depth
         if nested_deeper_than(raw, depth):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import threading
 import time
 
@@ -169,3 +170,19 @@ def test_status_reports_the_workers_capacity(tiny_llama, decode_worker):
     client = DecodeClient(decode.address)
     assert client.status().max_sequences == 3
     client.close()
+
+
+def test_a_client_gone_before_its_body_arrived_is_counted_as_cancelled(tiny_llama, decode_worker, gateway):
+    # Under a burst a gateway may reach a request's body after its client has left (0.3 s give-ups
+    # in test_burst did): that is a cancelled request, not a server error.
+    decode, _ = decode_worker(tiny_llama)
+    running = gateway(decode_workers=[decode.address])
+    with socket.create_connection(("127.0.0.1", running.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": [1, 2'
+        )
+        time.sleep(0.3)
+    assert wait_for(lambda: _outcomes(running.url) == {"received": 1.0, "cancelled": 1.0}, timeout=10), _outcomes(
+        running.url
+    )
