@@ -26,9 +26,16 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 
+from services.decode.settings import DecodeSettings
+from services.options import Option, engine_options, environment
+from services.prefill.settings import PrefillSettings
+from services.router.settings import GatewaySettings
 from shared.net.lifecycle import LIFELINE_ENV
+from shared.settings import EngineSettings
 
 console = Console(stderr=True)
 
@@ -39,20 +46,21 @@ MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
 @dataclass(eq=False)
 class Child:
     name: str
-    args: list[str]
+    command: str
+    env: dict[str, str]  # its own settings, over the stack's
     process: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)  # when each restart happened
     restart_at: float | None = None  # scheduled restart, while it is down
 
 
 class Stack:
-    def __init__(self, pruning_preset: str | None = None, extra_env: dict[str, str] | None = None):
+    """The children of `up`: each a `lazyserve` subcommand whose settings come from its environment."""
+
+    def __init__(self, env: dict[str, str]):
         self.children: list[Child] = []
         # Internal gRPC calls need this token: only processes of this stack can reach the workers.
         self.token = os.environ.get("LAZYSERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
-        self.env = {**os.environ, "LAZYSERVE_INTERNAL_TOKEN": self.token, **(extra_env or {})}
-        if pruning_preset is not None:  # every process of the stack, so all agree on the default
-            self.env["LAZYSERVE_PRUNING_PRESET"] = pruning_preset
+        self.env = {**os.environ, "LAZYSERVE_INTERNAL_TOKEN": self.token, **env}
         # Children hold the read end; only this process holds the write end.
         self._lifeline, self._lifeline_w = os.pipe()
 
@@ -60,8 +68,9 @@ class Stack:
     def processes(self) -> list[tuple[str, subprocess.Popen]]:
         return [(child.name, child.process) for child in self.children if child.process is not None]
 
-    def start(self, name: str, args: list[str]) -> Child:
-        child = Child(name, args)
+    def start(self, name: str, command: str, values: dict[Option, object]) -> Child:
+        """Start `lazyserve COMMAND` with these options in its environment."""
+        child = Child(name, command, environment(values))
         self.children.append(child)
         self._spawn(child)
         return child
@@ -69,12 +78,12 @@ class Stack:
     def _spawn(self, child: Child) -> None:
         # Own session: Ctrl-C in the terminal reaches only `up`, which stops the children in order.
         child.process = subprocess.Popen(  # noqa: S603 -- this interpreter running our own CLI, no shell
-            [sys.executable, "-m", "services.cli", *child.args],
+            [sys.executable, "-m", "services.cli", child.command],
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
             pass_fds=(self._lifeline,),
-            env={**self.env, LIFELINE_ENV: str(self._lifeline)},
+            env={**self.env, **child.env, LIFELINE_ENV: str(self._lifeline)},
         )
 
     def wait_ready(self, child: Child, kind: str, count: int, timeout: float) -> list[str]:
@@ -167,71 +176,80 @@ def wait_for_gateway(url: str, timeout: float, stop: threading.Event | None = No
     raise RuntimeError(f"the gateway at {url} did not become ready")
 
 
-@dataclass
-class UpOptions:
-    model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    decode_workers: int = 1
-    decode_port: int = 50061
-    prefill_actors: int = 1
-    prefill_port: int = 50071
-    threads: int | None = None  # None: each worker sizes itself to the host's cores
-    dtype: str | None = None  # None: LAZYSERVE_DTYPE, else auto
-    enable_prefix_caching: bool | None = None  # None: LAZYSERVE_ENABLE_PREFIX_CACHING, else on
-    batch_invariant: bool | None = None  # the workers'; None: LAZYSERVE_BATCH_INVARIANT, else off
-    prefix_cache_bytes: str | None = None  # each worker's; None: LAZYSERVE_PREFIX_CACHE_BYTES, else 2 GiB
-    local_threshold: int | None = None
-    pruning_preset: str | None = None
-    prefill_niceness: int | None = None  # None: LAZYSERVE_PREFILL_NICENESS, else 0
-    chat_template: str | None = None  # a file; the gateway templates chat requests
-    api_keys: list[str] = field(default_factory=list)
-    timeout: float = 600.0
+class UpSettings(BaseSettings):
+    """What `up` itself decides: how many workers it starts and on which ports. Everything else is
+    the services' own settings, handed to each child through its environment (services.options)."""
+
+    model_config = SettingsConfigDict(env_prefix="LAZYSERVE_UP_", extra="ignore")
+
+    decode_workers: int = Field(1, ge=1, description="decode worker processes")
+    decode_port: int = Field(50061, ge=1, le=65535, description="the first decode worker's port (then +1 each)")
+    prefill_actors: int = Field(1, ge=1, description="prefill actors on the local Ray")
+    prefill_port: int = Field(50071, ge=1, le=65535, description="the first prefill actor's port (then +1 each)")
+    timeout_s: float = Field(600.0, gt=0, description="how long each process may take to become ready")
 
 
-def up(options: UpOptions) -> int:
-    extra_env = {"LAZYSERVE_GATEWAY_API_KEYS": ",".join(options.api_keys)} if options.api_keys else {}
-    stack = Stack(options.pruning_preset, extra_env)
+# `up`'s flags: the engine's go to every process; the gateway's, the prefill actors' and its own.
+UP_OPTIONS = [
+    *engine_options(
+        "model",
+        "threads",
+        "dtype",
+        "enable_prefix_caching",
+        "prefix_cache_bytes",
+        "batch_invariant",
+        "chat_template",
+        pruning_flag="--pruning",
+    ),
+    Option(GatewaySettings, "host"),
+    Option(GatewaySettings, "port"),
+    Option(GatewaySettings, "api_keys", "--api-key", repeat=True),
+    Option(GatewaySettings, "local_threshold"),
+    Option(PrefillSettings, "niceness", "--prefill-niceness"),
+    *(Option(UpSettings, field) for field in ("decode_workers", "decode_port", "prefill_actors", "prefill_port")),
+]
+
+
+def _of(values: dict[Option, object], settings: type) -> dict[Option, object]:
+    return {option: value for option, value in values.items() if option.settings is settings}
+
+
+def up(values: dict[Option, object]) -> int:
+    """Start the stack with these options (services.options.given) and supervise it."""
+    plan = UpSettings(**{option.field: value for option, value in _of(values, UpSettings).items()})
+    gateway_values = _of(values, GatewaySettings)
+    gateway = GatewaySettings(**{option.field: value for option, value in gateway_values.items()})
+    stack = Stack(environment(_of(values, EngineSettings)))  # every process: all agree on the engine
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    o = options
-    common = (["--model", o.model] if o.model else []) + (["--threads", str(o.threads)] if o.threads else [])
-    if o.enable_prefix_caching is not None:  # the gateway too: it routes by what the workers cache
-        common.append("--enable-prefix-caching" if o.enable_prefix_caching else "--no-enable-prefix-caching")
-    engine = common + (["--dtype", o.dtype] if o.dtype else [])  # the gateway loads no weights
-    if o.prefix_cache_bytes is not None:
-        engine += ["--prefix-cache-bytes", o.prefix_cache_bytes]
-    if o.batch_invariant is not None:
-        engine.append("--batch-invariant" if o.batch_invariant else "--no-batch-invariant")
     try:
         with console.status("starting decode workers and prefill actors (the first start converts the model, ~30 s)"):
             decoders = [
-                stack.start(f"decode-{i}", ["decode-worker", "--port", str(o.decode_port + i), *engine])
-                for i in range(o.decode_workers)
+                stack.start(f"decode-{i}", "decode-worker", {Option(DecodeSettings, "port"): plan.decode_port + i})
+                for i in range(plan.decode_workers)
             ]
-            prefill_args = ["prefill-worker", "--port", str(o.prefill_port), "--num-actors", str(o.prefill_actors)]
-            prefill_args += ["--niceness", str(o.prefill_niceness)] if o.prefill_niceness is not None else []
-            prefill = stack.start("prefill", [*prefill_args, *engine])
-            decode_addresses = [stack.wait_ready(child, "decode", 1, o.timeout)[0] for child in decoders]
+            prefill_values = {
+                Option(PrefillSettings, "port"): plan.prefill_port,
+                Option(PrefillSettings, "num_actors"): plan.prefill_actors,
+                **_of(values, PrefillSettings),
+            }
+            prefill = stack.start("prefill", "prefill-worker", prefill_values)
+            decode_addresses = [stack.wait_ready(child, "decode", 1, plan.timeout_s)[0] for child in decoders]
             console.print(f"decode workers ready: {', '.join(decode_addresses)}")
-            prefill_addresses = stack.wait_ready(prefill, "prefill", o.prefill_actors, o.timeout)
+            prefill_addresses = stack.wait_ready(prefill, "prefill", plan.prefill_actors, plan.timeout_s)
             console.print(f"prefill actors ready: {', '.join(prefill_addresses)}")
-        gateway_args = ["gateway", "--host", o.host, "--port", str(o.port), *common]
-        gateway_args += ["--decode-workers", ",".join(decode_addresses)]
-        gateway_args += ["--prefill-workers", ",".join(prefill_addresses)]
-        if o.local_threshold is not None:
-            gateway_args += ["--local-threshold", str(o.local_threshold)]
-        if o.chat_template is not None:
-            gateway_args += ["--chat-template", os.path.abspath(o.chat_template)]
+        gateway_values[Option(GatewaySettings, "decode_workers")] = decode_addresses
+        gateway_values[Option(GatewaySettings, "prefill_workers")] = prefill_addresses
         with console.status("starting the gateway"):
-            gateway = stack.start("gateway", gateway_args)
-            stack._drain(gateway, announce=True)
-            shown = "127.0.0.1" if o.host in ("0.0.0.0", "::") else o.host  # noqa: S104 -- a check, not a bind
-            url = f"http://{shown}:{o.port}"
-            wait_for_gateway(url, o.timeout, stop)
+            child = stack.start("gateway", "gateway", gateway_values)
+            stack._drain(child, announce=True)
+            host = gateway.host
+            shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # noqa: S104 -- a check, not a bind
+            url = f"http://{shown}:{gateway.port}"
+            wait_for_gateway(url, plan.timeout_s, stop)
         print(f"READY gateway {url}", flush=True)
-        auth = " -H 'Authorization: Bearer YOUR_KEY'" if o.api_keys else ""
+        auth = " -H 'Authorization: Bearer YOUR_KEY'" if gateway.api_keys else ""
         console.print(
             f"\n[bold]lazyserve is up[/bold] at {url}/v1 (Ctrl-C stops everything)\n\n"
             f"  in a browser: {url}/  (playground, compare, where the prompt went, the service)\n\n"

@@ -34,7 +34,7 @@ class PrefillActor:
         # Ray sets OMP_NUM_THREADS to the actor's CPUs (1 by default), which would leave a long
         # prompt's prefill on one core: the actors of this worker share the node's cores instead.
         from shared.compute import ComputeThread
-        from shared.net.settings import available_cores
+        from shared.settings import available_cores
 
         threads = engine.threads or max(1, available_cores() // settings.num_actors)
         log.info("prefill actor: %d torch threads", threads)

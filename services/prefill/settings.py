@@ -9,7 +9,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from shared.net.settings import WorkerSettings
-from shared.transfer import DEFAULT_FRAME_BYTES
+from shared.net.transport import DEFAULT_FRAME_BYTES
 
 
 class PrefillSettings(WorkerSettings):
@@ -23,9 +23,9 @@ class PrefillSettings(WorkerSettings):
     max_concurrent_prefills: int = Field(1, ge=1, description="prefills computing at once; more wait their turn")
     grpc_workers: int = Field(16, ge=2)
     # Ray placement of each actor.
-    num_actors: int = Field(1, ge=1)
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_actors: int = Field(1, ge=1, description="prefill actors to start")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per actor")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per actor")
     prefill_resource: float = Field(0.0, ge=0, description="units of the custom `prefill` resource each actor needs")
     niceness: int | None = Field(
         0,

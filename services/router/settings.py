@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from shared.net.settings import EngineSettings, InternalAuthSettings
+from shared.net.settings import InternalAuthSettings, shared_env
+from shared.settings import EngineSettings
 
 AddressList = Annotated[list[str], NoDecode]
 
@@ -31,15 +32,21 @@ class GatewaySettings(InternalAuthSettings):
     model_config = SettingsConfigDict(env_prefix="LAZYSERVE_GATEWAY_", extra="ignore")
 
     engine: EngineSettings = Field(default_factory=EngineSettings)
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    redis_url: str | None = Field(None, validation_alias=AliasChoices("redis_url", "LAZYSERVE_REDIS_URL"))
-    prefill_workers: AddressList = Field(default_factory=list, description="static mode: prefill worker addresses")
-    decode_workers: AddressList = Field(default_factory=list, description="static mode: decode worker addresses")
-    routing: Literal["length", "round_robin"] = "length"
+    host: str = Field("127.0.0.1", description="the gateway's address (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="the gateway's port")
+    redis_url: str | None = shared_env(
+        "redis_url", "registered workers, shared load and hashed API keys in Redis (multi-host mode)"
+    )
+    prefill_workers: AddressList = Field(
+        default_factory=list, description="static mode: prefill worker addresses (host:port, comma-separated)"
+    )
+    decode_workers: AddressList = Field(
+        default_factory=list, description="static mode: decode worker addresses (host:port, comma-separated)"
+    )
+    routing: Literal["length", "round_robin"] = Field("length", description="how a request picks its workers")
     local_threshold: int = Field(1024, ge=0, description="prompts shorter than this are prefilled on a decode worker")
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
-        default_factory=list, description="accepted keys; hashed at start"
+        default_factory=list, description="an API key the gateway accepts (hashed at start)"
     )
     require_api_key: bool | None = Field(
         None, description="None: required unless the gateway listens on loopback only (local development)"

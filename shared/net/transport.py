@@ -14,6 +14,8 @@ import grpc
 
 # Frames stay under 4 MiB; the limits leave room for a long prompt's TransferEnd and stats.
 MAX_MESSAGE_BYTES = 16 << 20
+# Tensor payload per KV frame, KV and Aux each: frames stay well under gRPC's 4 MiB message default.
+DEFAULT_FRAME_BYTES = 1 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -9,10 +9,8 @@ import torch
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from shared.contract.wire import pruning_to_pb, sampling_to_pb, stats_to_pb
 from shared.engine import LayerFrame, ModelSpec, PruneConfig, SamplingParams, Stats
+from shared.net.transport import DEFAULT_FRAME_BYTES
 from shared.transfer.tensors import dtype_name, fill_tensor, frame_checksum
-
-# Tensor payload per frame, KV and Aux each: frames stay well under gRPC's 4 MiB message default.
-DEFAULT_FRAME_BYTES = 1 << 20
 
 
 def header_message(

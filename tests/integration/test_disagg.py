@@ -18,7 +18,7 @@ from shared.compute import OPENMP_ENV
 from shared.contract import preset
 from shared.engine import OFF, SamplingParams, generate
 from shared.net import rpc
-from shared.net.settings import EngineSettings
+from shared.settings import EngineSettings
 
 SAMPLINGS = {
     "greedy": SamplingParams(max_new_tokens=12),

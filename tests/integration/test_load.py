@@ -19,7 +19,7 @@ from conftest import start_process
 from services.prefill.actor import actor_addresses, launch_prefill_actors
 from services.prefill.settings import PrefillSettings
 from services.router.client import DecodeClient
-from shared.net.settings import EngineSettings
+from shared.settings import EngineSettings
 
 REQUESTS, CONCURRENCY, DEADLINE_S = 300, 16, 60.0
 

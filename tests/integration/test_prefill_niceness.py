@@ -14,7 +14,7 @@ from services.prefill.actor import actor_addresses, autogroup_niceness, launch_p
 from services.prefill.settings import PrefillSettings
 from services.router.client import PrefillClient, run_disaggregated
 from shared.engine import OFF, SamplingParams, generate
-from shared.net.settings import EngineSettings
+from shared.settings import EngineSettings
 
 
 def _thread_niceness(pid: int) -> dict[int, int]:

@@ -13,7 +13,7 @@ from helpers import random_ids
 
 from shared.contract import preset
 from shared.engine import SamplingParams, generate
-from shared.net.settings import EngineSettings
+from shared.settings import EngineSettings
 
 MAX_TOKENS = 40
 

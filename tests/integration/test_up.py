@@ -25,6 +25,12 @@ def _cmdline(pid: int) -> str:
         return f.read().replace("\0", " ")
 
 
+def _environ(pid: int) -> list[str]:
+    """A process's environment as NAME=VALUE entries: `up` hands each child its settings there."""
+    with open(f"/proc/{pid}/environ") as f:
+        return f.read().split("\0")
+
+
 @pytest.mark.slow
 def test_up_restarts_a_dead_worker_and_its_children_die_with_it():
     port, decode_port, prefill_port = free_port(), free_port(), free_port()
@@ -53,7 +59,7 @@ def test_up_restarts_a_dead_worker_and_its_children_die_with_it():
         def ask() -> int:
             return client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=2).usage.completion_tokens
 
-        decode_0 = next(pid for pid in sessions if f"--port {decode_port} " in _cmdline(pid) + " ")
+        decode_0 = next(pid for pid in sessions if f"LAZYSERVE_DECODE_PORT={decode_port}" in _environ(pid))
         os.killpg(decode_0, signal.SIGKILL)
         # While it is down, requests are routed around it (a failed first attempt is retried).
         assert [ask() for _ in range(6)] == [2] * 6

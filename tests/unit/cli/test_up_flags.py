@@ -28,12 +28,13 @@ def test_prefill_niceness_reaches_the_prefill_settings(monkeypatch):
     import pytest
     from pydantic import ValidationError
 
-    from services.cli import _service_overrides
+    from services.cli import PREFILL_OPTIONS
+    from services.options import build
     from services.prefill.settings import PrefillSettings
 
     assert build_parser().parse_args(["up", "--prefill-niceness", "10"]).prefill_niceness == 10
     args = build_parser().parse_args(["prefill-worker", "--niceness", "7"])
-    assert PrefillSettings(**_service_overrides(args, ("niceness",))).niceness == 7
+    assert build(PrefillSettings, args, PREFILL_OPTIONS).niceness == 7
     assert PrefillSettings().niceness == 0
     monkeypatch.setenv("LAZYSERVE_PREFILL_NICENESS", "12")
     assert PrefillSettings().niceness == 12
@@ -44,8 +45,9 @@ def test_prefill_niceness_reaches_the_prefill_settings(monkeypatch):
 def test_batch_invariance_is_off_unless_turned_on(monkeypatch):
     """`--batch-invariant` (or LAZYSERVE_BATCH_INVARIANT=true) reaches each worker's engine
     settings, as `--no-batch-invariant` does; without either it is off."""
-    from services.cli import _service_overrides
+    from services.cli import DECODE_OPTIONS
     from services.decode.settings import DecodeSettings
+    from services.options import build
 
     assert build_parser().parse_args(["up", "--no-batch-invariant"]).batch_invariant is False
     assert build_parser().parse_args(["up"]).batch_invariant is None  # unset: the settings decide
@@ -53,9 +55,9 @@ def test_batch_invariance_is_off_unless_turned_on(monkeypatch):
         args = build_parser().parse_args([*command.split(), "--no-batch-invariant"])
         assert args.batch_invariant is False
     args = build_parser().parse_args(["decode-worker", "--no-batch-invariant"])
-    assert DecodeSettings(**_service_overrides(args, ())).engine.batch_invariant is False
+    assert build(DecodeSettings, args, DECODE_OPTIONS).engine.batch_invariant is False
     args = build_parser().parse_args(["decode-worker", "--batch-invariant"])
-    assert DecodeSettings(**_service_overrides(args, ())).engine.batch_invariant is True
+    assert build(DecodeSettings, args, DECODE_OPTIONS).engine.batch_invariant is True
     assert DecodeSettings().engine.batch_invariant is False
     monkeypatch.setenv("LAZYSERVE_BATCH_INVARIANT", "true")
     assert DecodeSettings().engine.batch_invariant is True

@@ -14,7 +14,7 @@ from services.cli import build_parser
 from services.decode.settings import DecodeSettings
 from services.prefill.settings import PrefillSettings
 from services.router.settings import GatewaySettings
-from shared.net.settings import EngineSettings
+from shared.settings import EngineSettings
 
 ROOT = Path(__file__).resolve().parents[3]
 PREFIXES = {

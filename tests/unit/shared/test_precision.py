@@ -7,7 +7,7 @@ import pytest
 
 from services.cli import build_parser
 from shared.models.precision import CpuFeatures, choose_dtype
-from shared.net.settings import EngineSettings
+from shared.settings import EngineSettings
 
 AMX = CpuFeatures(amx_bf16=True, avx512_bf16=True)
 AVX512_BF16 = CpuFeatures(avx512_bf16=True)

@@ -1,10 +1,10 @@
-"""The C allocator tuning every model process applies (shared.net.settings.tune_malloc)."""
+"""The C allocator tuning every model process applies (shared.settings.tune_malloc)."""
 
 import platform
 
 import pytest
 
-from shared.net.settings import tune_malloc
+from shared.settings import tune_malloc
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
