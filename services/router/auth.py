@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import dataclass
 
 import redis
+from fastapi import Request
 
+from services.router.admission import off_loop
+from shared.api.serving import RequestError
 from shared.net.registry import PREFIX
 
 API_KEYS = f"{PREFIX}:apikeys"
@@ -63,3 +67,27 @@ class KeyStore:
         if not matched and self.client is not None:
             matched = bool(self.client.sismember(API_KEYS, digest))
         return matched
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: `id` is a key's hash, or the client's address without keys (the per-caller
+    bound and the queue's turns count by it); `salt` is the prefix cache's tenant for them."""
+
+    id: str
+    salt: str
+
+
+async def caller_of(request: Request) -> Caller:
+    """FastAPI dependency of every route behind the API key: the caller, or a 401. The key store
+    may ask Redis, so it runs in a thread."""
+    keys: KeyStore = request.app.state.keys
+    header = request.headers.get("authorization", "")
+    presented = header[7:].strip() if header.lower().startswith("bearer ") else None
+    address = request.client.host if request.client else "?"
+    caller, salt = await off_loop(keys.identify, presented, address)
+    if caller is None:
+        raise RequestError(
+            401, "missing or invalid API key (send it as `Authorization: Bearer KEY`)", code="invalid_api_key"
+        )
+    return Caller(caller, salt)

@@ -1,10 +1,15 @@
-"""The one translation of failures into HTTP statuses and OpenAI error bodies, for the gateway."""
+"""The one translation of failures into HTTP statuses and OpenAI error bodies, for the gateway,
+and the exception handlers that answer with them: a route raises, a handler answers."""
 
 from __future__ import annotations
 
 import logging
 
 import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.admission import ClientGone, QueueTimeout
 from services.router.client import UpstreamError
@@ -33,8 +38,27 @@ def error_body(message: str, kind: str, code: str | None = None, param: str | No
     return ErrorBody(message=message, type=kind, code=code, param=param)
 
 
-def status_of(error: Exception) -> tuple[int, object]:
-    """The one translation of failures into HTTP statuses and OpenAI error bodies."""
+def status_of(error: Exception) -> tuple[int, ErrorBody]:
+    """The one translation of failures into HTTP statuses and OpenAI error bodies; what nobody
+    expected is logged with its traceback and answered 500 without internals."""
+    known = _known(error)
+    if known is not None:
+        return known
+    log.error("unexpected error", exc_info=error)
+    return 500, error_body("internal error (see the gateway's log)", KINDS[500], "internal_error")
+
+
+def status_code_of(error: Exception) -> int:
+    """status_of's status alone, without logging."""
+    known = _known(error)
+    return 500 if known is None else known[0]
+
+
+def _known(error: Exception) -> tuple[int, ErrorBody] | None:
+    if isinstance(error, StarletteHTTPException):
+        error = RequestError(error.status_code, str(error.detail))
+    elif isinstance(error, RequestValidationError):
+        error = RequestError(400, str(error))
     if isinstance(error, RequestError):
         return error.status_code, error_body(
             error.message, KINDS.get(error.status_code, "invalid_request_error"), error.code, error.param
@@ -51,8 +75,38 @@ def status_of(error: Exception) -> tuple[int, object]:
         return 504, error_body(str(error), KINDS[504], "deadline_exceeded")
     if isinstance(error, redis.RedisError):
         return 503, error_body("shared state (Redis) is unavailable; retry shortly", KINDS[503], "state_unavailable")
-    log.error("unexpected error", exc_info=error)
-    return 500, error_body("internal error (see the gateway's log)", KINDS[500], "internal_error")
+    return None
+
+
+def error_response(error: Exception) -> JSONResponse:
+    status, body = status_of(error)
+    headers = {"retry-after": "1"} if status in (429, 503) else None  # when to try again
+    return JSONResponse({"error": body.model_dump()}, status_code=status, headers=headers)
+
+
+# What a route may raise on purpose. Exception is handled too, but Starlette answers it in its
+# outermost middleware and then raises it again to the server, which logs it once more.
+EXPECTED = (
+    RequestError,
+    NoWorkerError,
+    UpstreamError,
+    QueueTimeout,
+    ClientGone,
+    DeadlineError,
+    redis.RedisError,
+    StarletteHTTPException,
+    RequestValidationError,
+)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every error, raised anywhere, leaves in OpenAI's format."""
+
+    async def handle(request: Request, error: Exception) -> JSONResponse:
+        return error_response(error)
+
+    for kind in (*EXPECTED, Exception):
+        app.add_exception_handler(kind, handle)
 
 
 def outcome_of(status: int) -> str:

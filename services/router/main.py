@@ -6,7 +6,7 @@ import logging
 
 import uvicorn
 
-from services.router.gateway import create_app
+from services.router.app import create_app
 from services.router.settings import GatewaySettings
 from shared.models.text import load_text_model
 from shared.net.telemetry import setup_logging, setup_tracing, shutdown_tracing

@@ -174,7 +174,7 @@ def tiny_text():
 @pytest.fixture
 def gateway(tiny_text):
     """start(settings overrides, workers=None) -> RunningGateway on 127.0.0.1; stopped afterwards."""
-    from services.router.gateway import create_app
+    from services.router.app import create_app
     from services.router.settings import GatewaySettings
 
     running = []

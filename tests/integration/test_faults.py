@@ -19,7 +19,7 @@ from services.prefill.actor import actor_addresses, launch_prefill_actors
 from services.prefill.settings import PrefillSettings
 from services.router.workers import RedisWorkers
 from shared.net.registry import Heartbeat, WorkerInfo, connect, list_workers
-from shared.net.settings import EngineSettings
+from shared.settings import EngineSettings
 
 
 def test_a_decode_worker_killed_mid_stream(tiny_llama, gateway, redis_url, flush_redis):

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from services.router.gateway import create_app
+from services.router.app import create_app
 from services.router.settings import GatewaySettings
 
 OPERATIONS = [

@@ -51,10 +51,10 @@ def stack(smollm2):
     from services.decode.settings import DecodeSettings
     from services.prefill.settings import PrefillSettings
     from services.prefill.worker import start_prefill_worker
-    from services.router.gateway import create_app
+    from services.router.app import create_app
     from services.router.settings import GatewaySettings
     from shared.models.text import load_text_model
-    from shared.net.settings import EngineSettings
+    from shared.settings import EngineSettings
 
     engine = EngineSettings(model=MODEL, threads=2)
     decode = start_decode_worker(DecodeSettings(port=0, engine=engine), smollm2)
@@ -480,10 +480,10 @@ def gemma_stack(load):
     from services.decode.settings import DecodeSettings
     from services.prefill.settings import PrefillSettings
     from services.prefill.worker import start_prefill_worker
-    from services.router.gateway import create_app
+    from services.router.app import create_app
     from services.router.settings import GatewaySettings
     from shared.models.text import load_text_model
-    from shared.net.settings import EngineSettings
+    from shared.settings import EngineSettings
 
     loaded = load(GEMMA)
     engine = EngineSettings(model=GEMMA, threads=2)
