@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass, field
 
 from shared.compute import ComputeThread
+from shared.contract import Sampled
 from shared.engine import (
     DecodeSlots,
     Decoding,
@@ -45,7 +46,33 @@ from shared.net.rpc import InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
-TOKEN, DONE, FAILED = "token", "done", "failed"
+
+# What a sequence's outbox carries to the thread that answers its request: tokens of a choice,
+# then that choice's one end (finished, cancelled or failed).
+@dataclass(frozen=True)
+class ChoiceToken:
+    index: int  # which choice of the request
+    sampled: Sampled
+
+
+@dataclass(frozen=True)
+class ChoiceFinished:
+    index: int
+    reason: str  # OpenAI's finish_reason: "stop" or "length"
+
+
+@dataclass(frozen=True)
+class ChoiceCancelled:
+    index: int
+
+
+@dataclass(frozen=True)
+class ChoiceFailed:
+    index: int
+    message: str  # for the client: what failed, without internals
+
+
+ChoiceEnd = ChoiceFinished | ChoiceCancelled | ChoiceFailed
 
 
 @dataclass(eq=False)  # identity: a sequence is found in the active list by `is`
@@ -57,20 +84,20 @@ class Sequence:
     decoding: Decoding | None = None  # once the prompt is in the cache
     prefill: PrefillRun | None = None  # a local prefill not finished yet
     params: SamplingParams | None = None  # with `prefill`: how to decode after it (all its choices)
-    # (TOKEN, index, Sampled) ... then (DONE|FAILED, index, detail); the choices of one request
-    # (index 0..n-1) share one outbox and one cancelled event.
-    outbox: queue.Queue = field(default_factory=queue.Queue)
+    # ChoiceToken ... then a ChoiceEnd per choice; the choices of one request (index 0..n-1)
+    # share one outbox and one cancelled event.
+    outbox: queue.Queue[ChoiceToken | ChoiceEnd] = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     index: int = 0  # which choice of its request
     width: int = 1  # how many choices its request has
-    family: list[Sequence] = field(default_factory=list)  # its request's choices by index, itself included
+    choices: list[Sequence] = field(default_factory=list)  # its request's choices by index, itself included
     # For the prefix cache: the prompt, and the tenant it is cached under.
     prompt_ids: list[int] = field(default_factory=list)
     cache_salt: str = ""
     depths: bool = False  # a local prefill's first choice reports token depths (return_token_depths)
 
     def __post_init__(self):
-        self.family = self.family or [self]
+        self.choices = self.choices or [self]
 
     @classmethod
     def resumed(
@@ -83,14 +110,14 @@ class Sequence:
     ) -> list[Sequence]:
         """A transferred cache, one Decoding per choice: each first token was sampled by the prefill
         worker and sent already."""
-        outbox, cancelled, family = queue.Queue(), threading.Event(), []
+        outbox, cancelled, choices = queue.Queue(), threading.Event(), []
         for index, (decoding, token) in enumerate(zip(decodings, first_tokens)):
             decoding.accept(token)
             sequence = cls(request_id, decoding.generation, decoding=decoding, outbox=outbox, cancelled=cancelled)
-            sequence.index, sequence.width, sequence.family = index, len(decodings), family
+            sequence.index, sequence.width, sequence.choices = index, len(decodings), choices
             sequence.prompt_ids, sequence.cache_salt = prompt_ids or [], cache_salt
-            family.append(sequence)
-        return family
+            choices.append(sequence)
+        return choices
 
     @classmethod
     def local(cls, request_id: str, run: PrefillRun, params: SamplingParams, cache_salt: str = "") -> Sequence:
@@ -112,10 +139,10 @@ class Sequence:
         return self.width if self.prefill is not None else 1
 
     @property
-    def held_bytes(self) -> int:
+    def bytes_held(self) -> int:
         if self.decoding is not None:
-            return self.decoding.cache.held_bytes
-        return self.prefill.cache.held_bytes if self.prefill is not None else 0
+            return self.decoding.cache.bytes_held
+        return self.prefill.cache.bytes_held if self.prefill is not None else 0
 
 
 # Tokens a sequence may have made that its client has not taken yet. A slow reader pauses its
@@ -137,8 +164,7 @@ class Scheduler:
         compute: ComputeThread | None = None,
     ):
         self.model, self.grammars = model, grammars  # grammars: for structured output
-        # The prefix cache: a local prefill leaves its prompt there, a finished sequence its
-        # prompt and answer (the next turn of the conversation starts with them).
+        # The prefix cache: a local prefill leaves its prompt there.
         self.prefix = prefix
         self.max_sequences, self.max_unsent = max_sequences, max_unsent
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
@@ -185,7 +211,7 @@ class Scheduler:
     def bytes_held(self) -> int:
         with self._lock:
             active = list(self._active)
-        return sum(sequence.held_bytes for sequence in active)
+        return sum(sequence.bytes_held for sequence in active)
 
     def close(self) -> None:
         """Fail what is running and stop; a second call does nothing."""
@@ -202,7 +228,7 @@ class Scheduler:
         with self._lock:
             active, self._active = self._active, []
         for sequence in active:
-            sequence.outbox.put((FAILED, sequence.index, "the decode worker is shutting down"))
+            sequence.outbox.put(ChoiceFailed(sequence.index, "the decode worker is shutting down"))
 
     def _tick(self) -> float | None:
         """One round, as the compute thread's driver: how long it may wait for a job before the next."""
@@ -215,7 +241,7 @@ class Scheduler:
         except Exception:  # a bug in one round must not stop the engine thread
             log.exception("decode round failed")
             for sequence in active:
-                self._retire(sequence, FAILED, "generation failed: internal error")
+                self._retire(sequence, ChoiceFailed(sequence.index, "generation failed: internal error"))
             return 0
 
     # ------------------------------------------------------------------ one round
@@ -235,9 +261,9 @@ class Scheduler:
         for sequence in active:
             decoding = sequence.decoding
             if sequence.cancelled.is_set():
-                self._retire(sequence, DONE, "cancelled")
+                self._retire(sequence, ChoiceCancelled(sequence.index))
             elif decoding is not None and decoding.done:
-                self._retire(sequence, DONE, sequence.generation.finish_reason)
+                self._retire(sequence, ChoiceFinished(sequence.index, sequence.generation.finish_reason))
             elif sequence.prefill is not None:
                 prefilling = prefilling or sequence
             elif len(batch) < self.max_batch_size and sequence.outbox.qsize() < self.max_unsent * sequence.width:
@@ -256,7 +282,7 @@ class Scheduler:
                 rows += run.step()
         except Exception as error:
             log.exception("local prefill of %s failed", sequence.request_id)
-            self._retire(sequence, FAILED, f"generation failed: {type(error).__name__}")
+            self._retire(sequence, ChoiceFailed(sequence.index, f"generation failed: {type(error).__name__}"))
             return
         if not run.done:
             return
@@ -278,8 +304,8 @@ class Scheduler:
         ]
         for sibling, decoding in zip(siblings, decodings):
             sibling.decoding, sibling.generation = decoding, decoding.generation
-            sibling.width, sibling.family = len(decodings), sequence.family
-        sequence.family.extend(siblings[1:])
+            sibling.width, sibling.choices = len(decodings), sequence.choices
+        sequence.choices.extend(siblings[1:])
         sequence.prefill = None
         with self._lock:
             self._active.extend(siblings[1:])
@@ -294,7 +320,7 @@ class Scheduler:
             # Each cache took part of this step, so none can be retried: all of them fail.
             log.exception("a decode step of %d sequences failed", len(batch))
             for sequence in batch:
-                self._retire(sequence, FAILED, f"generation failed: {type(error).__name__}")
+                self._retire(sequence, ChoiceFailed(sequence.index, f"generation failed: {type(error).__name__}"))
             return
         self.steps += 1
         for sequence, row in zip(batch, logits):
@@ -303,11 +329,11 @@ class Scheduler:
     def _emit(self, sequence: Sequence, logits) -> None:
         sampled = sequence.decoding.advance(logits)
         if sampled is not None:
-            sequence.outbox.put((TOKEN, sequence.index, sampled))
+            sequence.outbox.put(ChoiceToken(sequence.index, sampled))
         if sequence.decoding.done:
-            self._retire(sequence, DONE, sequence.generation.finish_reason)
+            self._retire(sequence, ChoiceFinished(sequence.index, sequence.generation.finish_reason))
 
-    def _retire(self, sequence: Sequence, kind: str, detail: str) -> None:
+    def _retire(self, sequence: Sequence, end: ChoiceEnd) -> None:
         """Take a sequence out: its stats filled, then its last outbox item; nothing of it stays."""
         with self._lock:
             if sequence not in self._active:
@@ -318,11 +344,9 @@ class Scheduler:
             self.slots.leave(sequence.decoding.cache, keep=False)  # its stats are taken: no copy back
             self.revived_token_layers += sequence.generation.stats.revived_token_layers
         # A finished sequence's answer is not cached: decode computed its tokens one query row
-        # at a time, and SDPA sums a single row otherwise than the same row inside a prefill's
-        # call, so a next turn that started from them could part from a prefill of the same text
-        # (1 of 10 later turns in bench prefix). The next turn starts from its prompt, cached
-        # when it was prefilled or received, and prefills the answer.
+        # at a time, which a prefill of the same text does not reproduce bit for bit; the next
+        # turn starts from its cached prompt and prefills the answer (docs/results.md).
         if sequence.prefill is not None:
             abandon_prefill(sequence.prefill, self.prefix)  # a local prefill that did not finish
         sequence.prefill = None
-        sequence.outbox.put((kind, sequence.index, detail))
+        sequence.outbox.put(end)

@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
-from services.decode.scheduler import FAILED, TOKEN, Scheduler, Sequence
+from services.decode.scheduler import ChoiceCancelled, ChoiceFailed, ChoiceToken, Scheduler, Sequence
 from services.decode.settings import DecodeSettings
 from services.decode.transfers import TransferTable
 from shared.compute import ComputeThread
@@ -161,24 +161,25 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 except queue.Empty:  # send what has been made so far
                     break
             tokens: dict[int, list[Sampled]] = {}
-            for kind, index, value in items:
-                if kind == TOKEN:
-                    tokens.setdefault(index, []).append(value)
+            for item in items:
+                index = item.index
+                if isinstance(item, ChoiceToken):
+                    tokens.setdefault(index, []).append(item.sampled)
                     continue
-                if kind == FAILED:
-                    raise Unavailable(value)
-                if value == "cancelled":
+                if isinstance(item, ChoiceFailed):
+                    raise Unavailable(item.message)
+                if isinstance(item, ChoiceCancelled):
                     raise Cancelled("generation cancelled")
                 response = _response(tokens.pop(index, []), index)
-                response.finish_reason = value
-                response.stats.CopyFrom(stats_to_pb(head.family[index].generation.stats))
+                response.finish_reason = item.reason
+                response.stats.CopyFrom(stats_to_pb(head.choices[index].generation.stats))
                 sent.add(index)
                 remaining -= 1
                 yield response
             for index, made in tokens.items():
                 response = _response(made, index)
                 if index not in sent:  # the prefill's figures, for a caller that stops early (a stop string)
-                    response.stats.CopyFrom(stats_to_pb(head.family[index].generation.stats))
+                    response.stats.CopyFrom(stats_to_pb(head.choices[index].generation.stats))
                     sent.add(index)
                 yield response
 

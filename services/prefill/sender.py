@@ -151,4 +151,4 @@ class KVSender:
     def _failure(self, error: grpc.RpcError) -> rpc.DownstreamError:
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNAVAILABLE
         details = error.details() if hasattr(error, "details") else str(error)
-        return rpc.DownstreamError(code, f"KV transfer to decode worker {self.address} failed: {details}")
+        return rpc.DownstreamError(code, f"KV transfer to decode worker {self.address} failed: {details}", self.address)

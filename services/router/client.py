@@ -26,6 +26,7 @@ from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
 from shared.contract import PruneConfig, Sampled, SamplingParams, Stats
 from shared.contract.wire import logprobs_from_pb, pruning_to_pb, sampling_to_pb, stats_from_pb
 from shared.net.registry import WorkerInfo
+from shared.net.rpc import failed_at
 from shared.net.telemetry import trace_metadata, tracer
 from shared.net.transport import NO_AUTH, InternalAuth
 
@@ -157,9 +158,8 @@ async def generate_on(
             span.set_attribute("lazyserve.stream_bytes", reply.bytes_sent)
         except grpc.aio.AioRpcError as error:
             span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))
-            # The prefill worker names a failed transfer in its message; blame the right side.
-            to_decode = "KV transfer to decode worker" in (error.details() or "")
-            raise WorkerFailed(decode if to_decode else prefill, error) from None
+            # A prefill worker whose transfer failed names the decode worker (rpc.FAILED_AT).
+            raise WorkerFailed(decode if failed_at(error) is not None else prefill, error) from None
         finally:
             span.end()
         yield Prefilled(reply)

@@ -25,12 +25,25 @@ class ServiceError(Exception):
     code = grpc.StatusCode.INTERNAL
 
 
-class DownstreamError(ServiceError):
-    """A call to another service failed; its status code is passed on with this message."""
+# Trailing metadata of a call that failed because a call it made failed: the address of the
+# service that failed (a prefill worker's transfer to a decode worker), so that its caller knows
+# which one to avoid without reading the message.
+FAILED_AT = "lazyserve-failed-at"
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+
+class DownstreamError(ServiceError):
+    """A call to another service (at `address`) failed; its status code is passed on with this
+    message, and the address in the FAILED_AT trailing metadata."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, address: str | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.address = code, address
+
+
+def failed_at(error: grpc.RpcError) -> str | None:
+    """The address a failed call names in its FAILED_AT trailing metadata, if any."""
+    metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    return dict(metadata or ()).get(FAILED_AT)
 
 
 class InvalidArgument(ServiceError):
@@ -135,7 +148,7 @@ def _wrap_unary(behavior, streaming: bool):
         try:
             return behavior(_check(request, streaming), context)
         except Exception as error:  # translated at the edge, by design
-            context.abort(*status_of(error))
+            _abort(context, error)
 
     return wrapped
 
@@ -145,9 +158,15 @@ def _wrap_stream(behavior, streaming: bool):
         try:
             yield from behavior(_check(request, streaming), context)
         except Exception as error:  # translated at the edge, by design
-            context.abort(*status_of(error))
+            _abort(context, error)
 
     return wrapped
+
+
+def _abort(context, error: Exception) -> None:
+    if isinstance(error, DownstreamError) and error.address is not None:
+        context.set_trailing_metadata(((FAILED_AT, error.address),))
+    context.abort(*status_of(error))
 
 
 def make_server(

@@ -9,7 +9,14 @@ import time
 import pytest
 import torch
 
-from services.decode.scheduler import DONE, FAILED, TOKEN, Scheduler, Sequence
+from services.decode.scheduler import (
+    ChoiceCancelled,
+    ChoiceFailed,
+    ChoiceFinished,
+    ChoiceToken,
+    Scheduler,
+    Sequence,
+)
 from shared.engine import OFF, Decoding, Generation, PrefillRun, PruneConfig, SamplingParams, generate, prefill
 
 LAZY = PruneConfig(stages=((1, 0.5), (3, 0.2)))
@@ -35,21 +42,22 @@ class Reader:
     """Drains an outbox on its own thread, stamping each item's arrival."""
 
     def __init__(self, sequence: Sequence):
-        self.items: list[tuple[float, str, object]] = []
+        self.items: list[tuple[float, object]] = []  # (arrival, outbox message)
         self.thread = threading.Thread(target=self._read, args=(sequence,), daemon=True)
         self.thread.start()
 
     def _read(self, sequence):
         while True:
-            kind, _, value = sequence.outbox.get(timeout=60)
-            self.items.append((time.monotonic(), kind, value))
-            if kind != TOKEN:
+            message = sequence.outbox.get(timeout=60)
+            self.items.append((time.monotonic(), message))
+            if not isinstance(message, ChoiceToken):
                 return
 
     def wait(self):
         self.thread.join(timeout=60)
         assert not self.thread.is_alive(), "the sequence never finished"
-        return [value.token for _, kind, value in self.items if kind == TOKEN], self.items[-1][1:]
+        tokens = [message.sampled.token for _, message in self.items if isinstance(message, ChoiceToken)]
+        return tokens, self.items[-1][1]
 
 
 @pytest.fixture
@@ -84,7 +92,7 @@ def test_batched_sequences_give_what_each_gives_alone(tiny_llama, scheduler):
         alone = generate(model, _ids(model, n, seed), config, params)
         # A resumed sequence's first token went out with the transfer's reply, not through here.
         assert tokens == (alone.tokens if name.startswith("local") else alone.tokens[1:]), name
-        assert end == (DONE, alone.finish_reason)
+        assert end == ChoiceFinished(0, alone.finish_reason)
         assert sequence.generation.stats.revived_token_layers == alone.stats.revived_token_layers
     total = sum(params.max_new_tokens for _, _, _, params, _ in cases)
     assert scheduler.steps < total - len(cases)  # steps were shared, not one per token
@@ -103,13 +111,17 @@ def test_a_stream_keeps_receiving_tokens_while_a_long_local_prefill_runs(tiny_ll
     long_reader = Reader(long)
     scheduler.submit(long)
     long_tokens, _ = long_reader.wait()
-    first_token_at = next(at for at, kind, _ in long_reader.items if kind == TOKEN)
-    during = [at for at, kind, _ in stream_reader.items if kind == TOKEN and submitted < at < first_token_at]
+    first_token_at = next(at for at, message in long_reader.items if isinstance(message, ChoiceToken))
+    during = [
+        at
+        for at, message in stream_reader.items
+        if isinstance(message, ChoiceToken) and submitted < at < first_token_at
+    ]
     # One layer (1800 rows, over the 64-row budget) per round, a decode step between layers.
     assert len(during) >= model.spec.num_layers - 1
     assert long_tokens == generate(model, _ids(model, 1800, 2), OFF, SamplingParams(max_new_tokens=2)).tokens
     stream.cancelled.set()
-    assert stream_reader.wait()[1] == (DONE, "cancelled")
+    assert stream_reader.wait()[1] == ChoiceCancelled(0)
 
 
 def test_a_reader_that_falls_behind_pauses_only_its_own_sequence(tiny_llama, scheduler):
@@ -123,7 +135,7 @@ def test_a_reader_that_falls_behind_pauses_only_its_own_sequence(tiny_llama, sch
     reader = Reader(quick)
     scheduler.submit(quick)
     tokens, end = reader.wait()
-    assert len(tokens) == 20 and end == (DONE, "length")
+    assert len(tokens) == 20 and end == ChoiceFinished(0, "length")
     assert endless.outbox.qsize() == 8  # bounded: not one token more than the cap
     for _ in range(5):
         endless.outbox.get_nowait()  # the reader catches up a little: its sequence moves again
@@ -148,12 +160,12 @@ def test_a_failed_prefill_stays_with_its_sequence(tiny_llama, scheduler):
     scheduler.submit(bad)
     good_tokens, good_end = readers[0].wait()
     _, bad_end = readers[1].wait()
-    assert bad_end[0] == FAILED and "IndexError" in bad_end[1]
-    assert good_end == (DONE, "length") and len(good_tokens) == 6
+    assert isinstance(bad_end, ChoiceFailed) and "IndexError" in bad_end.message
+    assert good_end == ChoiceFinished(0, "length") and len(good_tokens) == 6
     follow = _local(model, "after", _ids(model, 30, 6), OFF, SamplingParams(max_new_tokens=3))
     reader = Reader(follow)
     scheduler.submit(follow)  # the engine thread lives on
-    assert reader.wait()[1] == (DONE, "length")
+    assert reader.wait()[1] == ChoiceFinished(0, "length")
 
 
 def test_the_batch_size_caps_a_step_and_everyone_gets_turns(tiny_llama):
