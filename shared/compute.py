@@ -43,10 +43,8 @@ _role = threading.local()
 # libgomp's idle workers spin GOMP_SPINCOUNT pause loops (300,000 by default: milliseconds) after
 # every parallel region before they sleep. Inside a step the next region comes within
 # microseconds, which 10,000 spins cover; after a step, or a job of a process that mostly waits,
-# a worker spinning for milliseconds takes a core from the host's other processes. Under `up` the
-# prefill actor and the decode worker share the cores: the actor's prefill of 3,000 tokens took
-# 1.2x its in-process time while the decode worker's workers spun after each frame it assembled,
-# and 1.0x with 10,000 (docs/results.md, "One compute thread per process").
+# a worker spinning for milliseconds takes a core from the host's other processes, such as the
+# prefill actor beside a decode worker under `up` (docs/results.md, "One compute thread per process").
 OPENMP_ENV = {"GOMP_SPINCOUNT": "10000"}
 
 

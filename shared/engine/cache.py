@@ -167,8 +167,8 @@ class QueryWindow:
 
 class BoundaryStates:
     """Hidden states leaving one layer (the last a prefix cache holds), per position: what a later
-    prompt with the same prefix rejoins from. Prefill writes the prompt's rows, decode each new
-    token's, so a finished sequence's prompt and answer can both be cached. Grows like LayerKV."""
+    prompt with the same prefix rejoins from. A prefill writes its prompt's rows; once the prompt
+    is cached they are dropped (PrefixReuse). Grows like LayerKV."""
 
     def __init__(self, layer: int, hidden_size: int, dtype: torch.dtype, device: torch.device, capacity: int):
         self.layer = layer
@@ -332,7 +332,7 @@ class LazyCache:
         return sum(layer.nbytes for layer in self.layers)
 
     @property
-    def held_bytes(self) -> int:
+    def bytes_held(self) -> int:
         """Memory this cache holds: K/V buffers with their room, the Aux Cache and kept states."""
         boundary = 0 if self.boundary is None else self.boundary.nbytes
         return sum(layer.allocated_bytes for layer in self.layers) + self.aux_bytes + boundary

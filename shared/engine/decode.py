@@ -43,10 +43,10 @@ from shared.engine.cache import LazyCache, QueryWindow
 from shared.engine.layer import (
     attend,
     attend_slots,
-    both,
     causal_mask,
     finish,
     logits_of,
+    mask_and,
     project_qkv,
     window_mask,
     window_probs,
@@ -57,7 +57,7 @@ from shared.engine.pruning import PruneConfig, ScoreInputs, scorer_for, select
 from shared.engine.slots import DecodeSlots
 
 
-class _Rows:
+class _SequenceStep:
     """One sequence inside a batched step: its rows at the current layer and its live set."""
 
     def __init__(self, model: EngineModel, cache: LazyCache, config: PruneConfig):
@@ -115,7 +115,7 @@ class _Rows:
         """Rows q [1, H, m, D] at the first m of self.rows, causally, by original position, over
         the live keys in the window (revived rows). Returns [1, H, m, D]."""
         kv, rows = self.cache.layers[index], self.rows[: q.shape[2]]
-        mask = both(causal_mask(rows, kv.positions), window_mask(self.model, index, rows, kv.positions))
+        mask = mask_and(causal_mask(rows, kv.positions), window_mask(self.model, index, rows, kv.positions))
         return attend(self.model, q, kv.k, kv.v, mask=mask if key_live is None else mask & key_live[None])
 
     def reselect(self, index: int) -> bool:
@@ -230,7 +230,7 @@ class _SlotStep:
     rows and one attention call for every new token; revived rows (a few, at re-selection steps)
     are written and attend per sequence."""
 
-    def __init__(self, model: EngineModel, slots: DecodeSlots, seqs: list[_Rows]):
+    def __init__(self, model: EngineModel, slots: DecodeSlots, seqs: list[_SequenceStep]):
         self.model, self.slots, self.seqs = model, slots, seqs
         slot_of = {}
         for i, seq in enumerate(seqs):
@@ -354,7 +354,7 @@ class _SlotStep:
                 seq.cache.depth[seq.new_position] = layers
 
 
-def _attend_each(seqs: list[_Rows], index: int, q, k, v, sizes: list[int], last: bool) -> torch.Tensor:
+def _attend_each(seqs: list[_SequenceStep], index: int, q, k, v, sizes: list[int], last: bool) -> torch.Tensor:
     """Each sequence's write and attention call on its own. Returns [1, H, rows (1 a sequence if last), D]."""
     outs, start = [], 0
     for seq, size in zip(seqs, sizes):
@@ -382,7 +382,7 @@ def decode_batch(
         raise ValueError("an empty batch")
     if len({id(cache) for cache, _, _ in batch}) != len(batch):
         raise ValueError("a cache appears twice in one batch")
-    seqs = [_Rows(model, cache, config) for cache, _, config in batch]
+    seqs = [_SequenceStep(model, cache, config) for cache, _, config in batch]
     # Batch invariance keeps one call per sequence: a slot call's shape depends on the batch.
     together = _SlotStep(model, slots, seqs) if slots is not None and model.decode_tile is None else None
     tokens = torch.tensor([token for _, token, _ in batch], device=model.device)
@@ -410,9 +410,6 @@ def decode_batch(
         stage = False
         for seq, rows_h in zip(seqs, h.split(sizes)):
             seq.h = rows_h
-            boundary = seq.cache.boundary
-            if boundary is not None and boundary.layer == index:  # for the prefix cache
-                boundary.write(seq.rows, rows_h)
             stage |= seq.reselect(index)
         if together is not None and stage:
             together.selected()

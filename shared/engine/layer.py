@@ -58,7 +58,7 @@ def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.T
     return k_positions[None, :] <= q_positions[:, None]
 
 
-def both(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+def mask_and(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     """The AND of two optional masks (None: no constraint)."""
     if a is None:
         return b
@@ -147,7 +147,7 @@ def prompt_attention(
             q_positions = torch.arange(tile_start, tile_start + QUERY_TILE, device=q.device)
             k_positions = torch.arange(seen, device=q.device)
             sliding = window_mask(model, index, q_positions, k_positions)
-            mask = masks[(tile_start, window)] = both(causal_mask(q_positions, k_positions), sliding)
+            mask = masks[(tile_start, window)] = mask_and(causal_mask(q_positions, k_positions), sliding)
         rows = slice(tile_start - first, tile_start - first + QUERY_TILE)
         outs.append(
             F.scaled_dot_product_attention(

@@ -26,10 +26,10 @@ from shared.compute import require_compute_thread
 from shared.engine.cache import BoundaryStates, LazyCache, QueryWindow
 from shared.engine.layer import (
     attend,
-    both,
     causal_mask,
     finish,
     logits_of,
+    mask_and,
     project_qkv,
     prompt_attention,
     window_mask,
@@ -210,7 +210,7 @@ class PrefillRun:
         if memo is not None and torch.equal(memo[0], positions) and torch.equal(memo[1], key_positions):
             return memo[2]
         sliding = window_mask(self.model, index, positions, key_positions)
-        mask = both(causal_mask(positions, key_positions), sliding) if hit or sliding is not None else None
+        mask = mask_and(causal_mask(positions, key_positions), sliding) if hit or sliding is not None else None
         self._masks[(window, hit)] = (positions, key_positions, mask)
         return mask
 

@@ -62,18 +62,12 @@ def abandon_prefill(run: PrefillRun, prefix: PrefixReuse | None) -> None:
 
 
 def run_prefill(
-    model: EngineModel,
-    ids: torch.Tensor,
-    config: PruneConfig,
-    *,
-    prefix: PrefixReuse | None = None,
-    salt: str = "",
-    reserve: int = 0,
-    on_layer: Callable[[LayerFrame], None] | None = None,
-    stats: Stats | None = None,
+    model: EngineModel, ids: torch.Tensor, config: PruneConfig, *, stats: Stats | None = None, **options
 ) -> tuple[PrefillRun, Stats]:
-    """`start_prefill` stepped to the end and finished: the run (its cache and logits) and its stats."""
-    run = start_prefill(model, ids, config, prefix=prefix, salt=salt, reserve=reserve, on_layer=on_layer)
+    """`start_prefill` (with its keyword `options`) stepped to the end and finished: the run (its
+    cache and logits) and its stats."""
+    prefix = options.get("prefix")
+    run = start_prefill(model, ids, config, **options)
     try:
         while not run.done:
             run.step()

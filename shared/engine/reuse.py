@@ -73,6 +73,7 @@ class PrefixReuse:
         try:
             self._insert(run.cache, run.prefix_keys, run.held)
         finally:
+            run.cache.boundary = None  # cached: nothing reads them again
             self.abandon(run)
 
     def abandon(self, run: PrefillRun) -> None:
@@ -82,9 +83,9 @@ class PrefixReuse:
             self.cache.release(run.prefix)
 
     def remember(self, cache: LazyCache, ids: Sequence[int], config: PruneConfig, salt: str = "") -> int:
-        """Cache every full block of a sequence's tokens (its prompt and the generated tokens fed
-        to the model); `ids` may run past them. A cache that lacks the states leaving the shared
-        layers (a transfer from a sender that did not keep them) is skipped. Returns blocks added."""
+        """Cache every full block of a received prompt (`ids`, the tokens `cache` holds). A cache
+        that lacks the states leaving the shared layers (a transfer from a sender that did not keep
+        them) is skipped. Returns blocks added; the states are dropped after."""
         layers = held_layers(config, self.model.spec.num_layers)
         if layers < self.model.spec.num_layers and (cache.boundary is None or cache.boundary.layer != layers - 1):
             return 0
@@ -92,7 +93,10 @@ class PrefixReuse:
         if count == 0:
             return 0
         keys = self.keys(list(ids)[:count], config, salt)
-        return self._insert(cache, keys, layers)
+        try:
+            return self._insert(cache, keys, layers)
+        finally:
+            cache.boundary = None
 
     def _insert(self, cache: LazyCache, keys: list[bytes], layers: int) -> int:
         """Gather only the rows of blocks not held yet (a warm prompt adds a block or two)."""

@@ -74,7 +74,7 @@ class TransferAssembler:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.cache is None else self.cache.held_bytes
+        return 0 if self.cache is None else self.cache.bytes_held
 
     def header(self, header: pb.TransferHeader) -> None:
         require_compute_thread("assembling a transfer")

@@ -12,7 +12,13 @@ LAZY = PruneConfig(stages=((1, 0.5), (3, 0.2)), window=4)
 
 @pytest.mark.parametrize("layout", ["slots", "per-sequence"])
 def test_phases_add_up_and_the_wrappers_are_removed(tiny_llama, layout):
-    originals = (decode.attend, decode.select, cache.LazyCache.write, decode._Rows.reselect, decode._SlotStep.attend)
+    originals = (
+        decode.attend,
+        decode.select,
+        cache.LazyCache.write,
+        decode._SequenceStep.reselect,
+        decode._SlotStep.attend,
+    )
     prompts = [torch.randint(3, 1000, (200,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     model, bandwidth = tiny_llama.engine, 10e9
     off = profile(model, prompts, "off", OFF, 2, steps=3, repeats=1, layout=layout, bandwidth=bandwidth)
@@ -21,7 +27,7 @@ def test_phases_add_up_and_the_wrappers_are_removed(tiny_llama, layout):
         decode.attend,
         decode.select,
         cache.LazyCache.write,
-        decode._Rows.reselect,
+        decode._SequenceStep.reselect,
         decode._SlotStep.attend,
     ) == originals
     for row in (off, lazy):

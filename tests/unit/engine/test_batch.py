@@ -246,8 +246,8 @@ def test_room_is_reserved_per_layer_for_the_generated_tokens(tiny_llama):
     assert [layer.capacity for layer in cache.layers] == [kept + 8 for kept in cache.kept_per_layer]
     assert cache.kept_per_layer[-1] < cache.kept_per_layer[0]
     cache, logits = prefill(model, ids, OFF, reserve=8)
-    held = cache.held_bytes
+    held = cache.bytes_held
     token = int(logits.argmax())
     for _ in range(8):
         token = int(decode_batch(model, [(cache, token, OFF)])[0].argmax())
-    assert cache.held_bytes == held and all(layer.size == layer.capacity for layer in cache.layers)
+    assert cache.bytes_held == held and all(layer.size == layer.capacity for layer in cache.layers)

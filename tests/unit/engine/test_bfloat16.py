@@ -72,7 +72,7 @@ def test_bfloat16_holds_and_sends_half_the_bytes(load):
     ids = random_ids(float32, 200)
     full, _ = prefill(float32.engine, torch.tensor(ids), OFF)
     half, _ = prefill(bfloat16.engine, torch.tensor(ids), OFF)
-    assert half.layers[0].k.dtype == torch.bfloat16 and half.held_bytes * 2 == full.held_bytes
+    assert half.layers[0].k.dtype == torch.bfloat16 and half.bytes_held * 2 == full.bytes_held
     _, wide = encode_transfer(float32, ids, OFF, SamplingParams(max_new_tokens=2))
     _, narrow = encode_transfer(bfloat16, ids, OFF, SamplingParams(max_new_tokens=2))
     sent = [sum(sum(payload_bytes(m)) for m in messages) for messages in (wide, narrow)]
