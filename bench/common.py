@@ -69,7 +69,7 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 def machine() -> dict:
     """What a figure was measured on: the CPU with the flags that decide `--dtype auto`, the GPU if any."""
     from shared.models.precision import CpuFeatures
-    from shared.net.settings import available_cores
+    from shared.settings import available_cores
 
     cpu = CpuFeatures.detect()
     report = {
@@ -92,6 +92,13 @@ def write_json(path: Path, report: dict) -> None:
     path.write_text(json.dumps(report | {"machine": machine()}, indent=2))
 
 
+def write_report(out: str, report: dict) -> int:
+    """A benchmark's last step: its report (with the machine) to `out`; its exit status."""
+    write_json(Path(out), report)
+    print(f"\nwrote {out}")
+    return 0
+
+
 def runs_per_dtype(args, bench_dtype) -> list[dict]:
     """bench_dtype(args, dtype, compute) for each of args.dtypes, all on one ComputeThread with
     args.threads torch threads, as a worker computes (shared.compute says why)."""
@@ -105,9 +112,12 @@ def runs_per_dtype(args, bench_dtype) -> list[dict]:
         compute.close()
 
 
-def add_decode_workload_arguments(parser, concurrency: list[int], repeats: int) -> None:
+def add_decode_workload_arguments(parser, concurrency: list[int], repeats: int, tokens: int | None = None) -> None:
     """What the decode benchmarks share: the model, prompts, sequence counts, the configurations
-    (presets, and --schedule NAME=JSON as the eval takes it, repeatable), repeats and threads."""
+    (presets, and --schedule NAME=JSON as the eval takes it, repeatable), repeats and threads; and
+    with `tokens`, how many each sequence decodes."""
+    if tokens is not None:
+        parser.add_argument("--tokens", type=int, default=tokens, help="decode tokens per sequence and run")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
     parser.add_argument("--concurrency", type=int, nargs="+", default=concurrency)

@@ -24,7 +24,6 @@ import copy
 import functools
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -37,7 +36,7 @@ from bench.common import (
     reference_text,
     runs_per_dtype,
     step_bytes,
-    write_json,
+    write_report,
 )
 
 
@@ -91,7 +90,7 @@ def _direct(model, prefilled, config) -> tuple[float, int]:
 
 def _run(compute, model, prefilled, config, batch_size: int) -> tuple[float, int]:
     """Decode every sequence to the end through a Scheduler; aggregate tokens/s and revived token-layers."""
-    from services.decode.scheduler import TOKEN, Scheduler, Sequence
+    from services.decode.scheduler import ChoiceFinished, ChoiceToken, Scheduler, Sequence
 
     scheduler = Scheduler(
         model, max_sequences=len(prefilled), max_batch_size=batch_size, max_unsent=1 << 20, compute=compute
@@ -106,9 +105,9 @@ def _run(compute, model, prefilled, config, batch_size: int) -> tuple[float, int
         scheduler.submit(*sequences)
         tokens = 0
         for sequence in sequences:
-            while (item := sequence.outbox.get(timeout=600))[0] == TOKEN:
+            while isinstance(item := sequence.outbox.get(timeout=600), ChoiceToken):
                 tokens += 1
-            assert item[2] == "length", item
+            assert item == ChoiceFinished(item.index, "length"), item
         elapsed = time.perf_counter() - start
     finally:
         scheduler.close()
@@ -314,8 +313,7 @@ def across_dtypes(runs: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lazyserve bench decode", description=__doc__)
-    add_decode_workload_arguments(parser, concurrency=[1, 4, 8, 16], repeats=3)
-    parser.add_argument("--tokens", type=int, default=16, help="decode tokens per sequence and run")
+    add_decode_workload_arguments(parser, concurrency=[1, 4, 8, 16], repeats=3, tokens=16)
     add_dtypes_argument(parser, "side by side in one run; ratios are over the first")
     parser.add_argument("--out", default="out/bench_decode.json")
     args = parser.parse_args(argv)
@@ -328,16 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbatched tok/s over {runs[0]['dtype']}")
         rows = [[a["dtype"], a["pruning"], a["sequences"], f"{a['batched_ratio']:.2f}x"] for a in across]
         print(markdown_table(["dtype", "pruning", "sequences", "batched tok/s ratio"], rows))
-    report = {
-        "model": runs[0]["model"],
-        "threads": args.threads,
-        "prompt_tokens": args.prompt,
-        "runs": runs,
-        "across_dtypes": across,
-    }
-    write_json(Path(args.out), report)
-    print(f"\nwrote {args.out}")
-    return 0
+    report = {"model": runs[0]["model"], "threads": args.threads, "prompt_tokens": args.prompt}
+    return write_report(args.out, report | {"runs": runs, "across_dtypes": across})
 
 
 if __name__ == "__main__":

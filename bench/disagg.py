@@ -22,11 +22,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench.common import long_text_ids, markdown_table, write_json
+from bench.common import long_text_ids, markdown_table, write_report
 from shared.models.precision import DTYPE_CHOICES, resolve_dtype
 
 
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from shared.contract import default_pruning
     from shared.engine import OFF, SamplingParams
     from shared.models.weights import load_model
-    from shared.net.settings import EngineSettings
+    from shared.settings import EngineSettings
 
     torch.set_num_threads(args.threads)
     args.dtype = resolve_dtype(args.dtype).dtype  # one choice for every process (they share this host)
@@ -161,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ray.shutdown()
     _print_tables(report["results"])
-    write_json(Path(args.out), report)
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_report(args.out, report)
 
 
 def _record(length: int, mode: str, samples: dict[str, list[float]], ttft: str) -> dict:
@@ -226,9 +223,7 @@ def _via_up(args) -> int:
     ]
     header = ["tokens", "mode", "TTFT in-process s", "TTFT through up s", "up / in-process", "actor prefill s"]
     print(markdown_table(header + ["path s (up less actor prefill)"], rows))
-    write_json(Path(args.out), report)
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_report(args.out, report)
 
 
 async def _through_gateway(url: str, ids: list[int], preset: str, max_tokens: int) -> tuple[float, dict]:

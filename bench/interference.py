@@ -20,9 +20,8 @@ import asyncio
 import random
 import statistics
 import time
-from pathlib import Path
 
-from bench.common import completion_events, has_text, markdown_table, write_json
+from bench.common import completion_events, has_text, markdown_table, write_report
 from bench.serve import percentile, running_up
 
 
@@ -160,6 +159,4 @@ def main(argv: list[str] | None = None) -> int:
         )
     header = ["run", "quiet ITL p50 / p99 ms", "busy ITL p50 / p99 ms", "busy / quiet", "gaps", "long TTFT p50 s"]
     print(markdown_table(header, rows))
-    write_json(Path(args.out), report)
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_report(args.out, report)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 from bench.common import (
     add_decode_workload_arguments,
@@ -22,7 +21,7 @@ from bench.common import (
     markdown_table,
     pruning_configs,
     runs_per_dtype,
-    write_json,
+    write_report,
 )
 from bench.decode import _direct, _prefilled, _prompts
 
@@ -86,9 +85,8 @@ def bench_dtype(args, dtype: str, compute) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lazyserve bench invariance", description=__doc__)
-    add_decode_workload_arguments(parser, concurrency=[1, 16], repeats=3)
+    add_decode_workload_arguments(parser, concurrency=[1, 16], repeats=3, tokens=16)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="prompt tokens for TTFT")
-    parser.add_argument("--tokens", type=int, default=16, help="decode tokens per sequence and run")
     add_dtypes_argument(parser, "each in its own rounds")
     parser.add_argument("--out", default="out/bench_invariance.json")
     args = parser.parse_args(argv)
@@ -106,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 ],
             )
         )
-    write_json(Path(args.out), {"runs": runs})
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_report(args.out, {"runs": runs})
 
 
 if __name__ == "__main__":

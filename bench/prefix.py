@@ -31,9 +31,8 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from bench.common import markdown_table, sse_events, write_json
+from bench.common import markdown_table, sse_events, write_report
 
 QUESTIONS = (
     "What is the main topic of this text?",
@@ -198,7 +197,7 @@ def in_process(args) -> dict:
     from bench.common import long_text_ids
     from shared.engine import PrefixReuse, prefill, run_prefill
     from shared.models.weights import load_model
-    from shared.net.settings import tune_malloc
+    from shared.settings import tune_malloc
 
     tune_malloc()  # as every worker does
     loaded = load_model(args.model, dtype=args.dtype or "auto")
@@ -373,6 +372,4 @@ def main(argv: list[str] | None = None) -> int:
         "engine": engine,
         "requests": {mode: [asdict(r) for r in run["results"]] for mode, run in runs.items()},
     }
-    write_json(Path(args.out), report)
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_report(args.out, report)

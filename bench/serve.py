@@ -34,9 +34,8 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from bench.common import markdown_table, sse_events, write_json
+from bench.common import markdown_table, sse_events, write_report
 
 
 @dataclass
@@ -254,9 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _through_workers(args, items, prompts, report)
     _print(report)
-    write_json(Path(args.out), report)
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_report(args.out, report)
 
 
 def _through_up(args, threads: str, pruning: str | None, items, prompt_sets) -> dict[int, tuple[list[Outcome], float]]:
@@ -317,7 +314,7 @@ def _through_workers(args, items, prompts, report: dict) -> None:
     from services.prefill.actor import actor_addresses, ensure_ray, launch_prefill_actors
     from services.prefill.settings import PrefillSettings
     from services.up import wait_for_gateway
-    from shared.net.settings import EngineSettings
+    from shared.settings import EngineSettings
 
     args.prefill_workers = args.prefill_workers or 2
     args.decode_workers = args.decode_workers or 2

@@ -21,7 +21,6 @@ import copy
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
@@ -32,7 +31,7 @@ from bench.common import (
     pruning_configs,
     read_bandwidth,
     step_bytes,
-    write_json,
+    write_report,
 )
 
 # (module attribute, phase): what shared/engine/decode.py calls, by the name it calls it.
@@ -50,7 +49,7 @@ PHASES = [
 
 class PhaseTimer:
     """Seconds per phase, accumulated by wrappers around the decode module's functions, the
-    cache's write and two of `_Rows`' methods; a phase that calls others (`reselect` calls the
+    cache's write and two of `_SequenceStep`' methods; a phase that calls others (`reselect` calls the
     scoring and selection) keeps only its own time."""
 
     def __init__(self):
@@ -86,8 +85,8 @@ class PhaseTimer:
         targets += [
             (cache_module.LazyCache, "write", "cache writes"),
             (slots_module.DecodeSlots, "write", "cache writes"),
-            (decode_module._Rows, "reselect", "selection: live set, stash, revive"),
-            (decode_module._Rows, "attend", "attention: masks"),
+            (decode_module._SequenceStep, "reselect", "selection: live set, stash, revive"),
+            (decode_module._SequenceStep, "attend", "attention: masks"),
             (decode_module._SlotStep, "_attend_new", "attention: masks"),
             (decode_module._SlotStep, "attend", "slots: rows in and out"),
         ]
@@ -239,9 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [bench_dtype(args, dtype) for dtype in args.dtypes]
     for run in runs:
         print("\n" + report(run))
-    write_json(Path(args.out), {"prompt_tokens": args.prompt, "threads": args.threads, "runs": runs})
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_report(args.out, {"prompt_tokens": args.prompt, "threads": args.threads, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import markdown_table, write_json
+from bench.common import markdown_table, write_report
 
 SCENARIOS = ["main", "second thread", "compute thread", "second thread, main paused"]
 
@@ -127,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in SCENARIOS
     ]
     print(markdown_table(["dtype", "where", "µs per 2 projections", "over main"], rows))
-    write_json(Path(args.out), {"rows": args.rows, "threads": args.threads, "results": results})
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_report(args.out, {"rows": args.rows, "threads": args.threads, "results": results})
 
 
 if __name__ == "__main__":

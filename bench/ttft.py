@@ -12,11 +12,10 @@ import inspect
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-from bench.common import add_dtypes_argument, long_text_ids, markdown_table, write_json
+from bench.common import add_dtypes_argument, long_text_ids, markdown_table, write_report
 
 
 class PeakRSS:
@@ -262,16 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [[entry["tokens"]] + [f"{entry['ttft_speedup'][n]:.2f}x" for n in names] for entry in across["prefill"]]
         rows.append(["decode"] + [f"{across['decode_over_first_full'][n]:.2f}x" for n in names])
         print(markdown_table(["tokens", *names], rows))
-    report = {
-        "model": runs[0]["model"],
-        "device": args.device,
-        "threads": args.threads,
-        "runs": runs,
-        "across_dtypes": across,
-    }
-    write_json(Path(args.out), report)
-    print(f"\nwrote {args.out}")
-    return 0
+    report = {"model": runs[0]["model"], "device": args.device, "threads": args.threads}
+    return write_report(args.out, report | {"runs": runs, "across_dtypes": across})
 
 
 if __name__ == "__main__":

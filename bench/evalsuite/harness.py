@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -205,78 +206,53 @@ def _pp(triple) -> str:
     return "n/a" if mean != mean else f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
+def _columns(rows: list[dict], columns: list[tuple[str, Callable[[dict], object]]]) -> str:
+    """A markdown table of `rows`, one (header, cell of a row) pair per column."""
+    return markdown_table([name for name, _ in columns], [[cell(row) for _, cell in columns] for row in rows])
+
+
+def _solved(key: str) -> Callable[[dict], object]:
+    return lambda row: row[key] if row["task"] in ANSWER_TASKS else "n/a"
+
+
+SUMMARY_COLUMNS = [
+    ("tokens", lambda row: row["length"]),
+    ("config", lambda row: row["config"]),
+    ("cases", lambda row: row["cases"]),
+    ("TTFT speedup", lambda row: f"{row['ttft_speedup']:.2f}x"),
+    ("computed", lambda row: f"{row['computed_fraction']:.2f}"),
+    ("first-token top-1 %", lambda row: _pct(row["first_top1"])),
+    ("first KL", lambda row: f"{row['first_kl']:.3f}"),
+    ("teacher-forced top-1 %", lambda row: _pct(row["teacher_top1"])),
+    ("teacher KL", lambda row: f"{row['teacher_kl']:.3f}"),
+    ("prefix match %", lambda row: f"{100 * row['prefix_match']:.0f}"),
+    ("same answer %", lambda row: _pct(row["same_answer"])),
+    ("accuracy vs off (pp)", lambda row: _pp(row["accuracy_delta"])),
+    ("retained % (solved)", lambda row: f"{_pct(row['retained'])} of {row['solved_cases']}"),
+    ("code vs off (pp)", lambda row: _pp(row["code_delta"])),
+    ("summary ROUGE-L %", lambda row: _pct(row["summary_rouge"])),
+    ("seconds", lambda row: f"{row['seconds']:.0f}"),
+]
+TASK_COLUMNS = [
+    ("tokens", lambda row: row["length"]),
+    ("config", lambda row: row["config"]),
+    ("task", lambda row: row["task"]),
+    ("cases", lambda row: row["cases"]),
+    ("solved unpruned", _solved("solved_by_off")),
+    ("still solved", _solved("still_solved")),
+    ("same answer %", lambda row: _pct(row["same_answer"])),
+    ("score vs off (pp)", lambda row: _pp(row["score_delta"])),
+    ("first-token top-1 %", lambda row: _pct(row["first_top1"])),
+    ("teacher-forced top-1 %", lambda row: _pct(row["teacher_top1"])),
+]
+
+
 def table(rows: list[dict]) -> str:
-    header = [
-        "tokens",
-        "config",
-        "cases",
-        "TTFT speedup",
-        "computed",
-        "first-token top-1 %",
-        "first KL",
-        "teacher-forced top-1 %",
-        "teacher KL",
-        "prefix match %",
-        "same answer %",
-        "accuracy vs off (pp)",
-        "retained % (solved)",
-        "code vs off (pp)",
-        "summary ROUGE-L %",
-        "seconds",
-    ]
-    body = [
-        [
-            row["length"],
-            row["config"],
-            row["cases"],
-            f"{row['ttft_speedup']:.2f}x",
-            f"{row['computed_fraction']:.2f}",
-            _pct(row["first_top1"]),
-            f"{row['first_kl']:.3f}",
-            _pct(row["teacher_top1"]),
-            f"{row['teacher_kl']:.3f}",
-            f"{100 * row['prefix_match']:.0f}",
-            _pct(row["same_answer"]),
-            _pp(row["accuracy_delta"]),
-            f"{_pct(row['retained'])} of {row['solved_cases']}",
-            _pp(row["code_delta"]),
-            _pct(row["summary_rouge"]),
-            f"{row['seconds']:.0f}",
-        ]
-        for row in rows
-    ]
-    return markdown_table(header, body)
+    return _columns(rows, SUMMARY_COLUMNS)
 
 
 def task_table(rows: list[dict]) -> str:
-    header = [
-        "tokens",
-        "config",
-        "task",
-        "cases",
-        "solved unpruned",
-        "still solved",
-        "same answer %",
-        "score vs off (pp)",
-        "first-token top-1 %",
-        "teacher-forced top-1 %",
-    ]
-    body = [
-        [
-            row["length"],
-            row["config"],
-            row["task"],
-            row["cases"],
-            row["solved_by_off"] if row["task"] in ANSWER_TASKS else "n/a",
-            row["still_solved"] if row["task"] in ANSWER_TASKS else "n/a",
-            _pct(row["same_answer"]),
-            _pp(row["score_delta"]),
-            _pct(row["first_top1"]),
-            _pct(row["teacher_top1"]),
-        ]
-        for row in rows
-    ]
-    return markdown_table(header, body)
+    return _columns(rows, TASK_COLUMNS)
 
 
 def load_runs(directories: list[str]) -> tuple[list[dict], dict]:

@@ -106,7 +106,7 @@ class Dispatcher:
                 len(prepared.ids),
                 fraction,
                 prepared.sampling.max_new_tokens,
-                exclude,
+                exclude=exclude,
                 matched=matched,
                 shared=held_layers(prepared.pruning, spec.num_layers) / spec.num_layers,
             )

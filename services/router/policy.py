@@ -140,17 +140,10 @@ class RoundRobinPolicy:
     def __init__(self):
         self._turn = itertools.count()
 
-    def choose(
-        self,
-        workers: Workers,
-        model: str,
-        prompt_tokens: int,
-        fraction: float,
-        max_tokens: int,
-        exclude: set[str] = frozenset(),
-        matched: dict[str, int] | None = None,  # ignored: the baseline routes blind
-        shared: float = 1.0,
-    ) -> Decision:
+    def choose(self, workers: Workers, model: str, *load: float, exclude=frozenset(), **_cache) -> Decision:
+        """load: (prompt_tokens, fraction, max_tokens) as LengthAwarePolicy takes them; the prefix
+        cache's arguments are ignored: the baseline routes blind."""
+        prompt_tokens, fraction, max_tokens = load
         live = sorted(
             (w for w in workers.list() if w.model == model and w.worker_id not in exclude), key=lambda w: w.worker_id
         )
