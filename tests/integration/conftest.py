@@ -206,6 +206,16 @@ def prefill_worker():
         worker.stop(grace=0)
 
 
+def child_given(pids, name: str, value) -> int:
+    """The child of `lazyserve up` that it gave the setting NAME=VALUE: up hands each child its
+    settings in its environment."""
+    for pid in pids:
+        with open(f"/proc/{pid}/environ") as f:
+            if f"{name}={value}" in f.read().split("\0"):
+                return pid
+    raise LookupError(f"no child was given {name}={value}")
+
+
 def session_members(sessions: set[int]) -> list[int]:
     """Live (non-zombie) processes whose session id is in `sessions`."""
     members = []

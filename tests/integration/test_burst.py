@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from conftest import free_port, kill_sessions, wait_for
+from conftest import child_given, free_port, kill_sessions, wait_for
 
 MESSAGES = [{"role": "user", "content": "Say something about rivers."}]
 
@@ -27,11 +27,6 @@ def _rss_bytes(pid: int) -> int:
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(line) for line in out.split()]
-
-
-def _cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline") as f:
-        return f.read().replace("\0", " ")
 
 
 def quantile_from_histogram(text: str, name: str, q: float) -> float:
@@ -86,7 +81,7 @@ def test_bursts_through_up_are_served_in_full_and_leave_nothing_behind():
     try:
         assert wait_for(lambda: any(line.startswith("READY gateway") for line in lines), timeout=240), lines
         sessions = _children(up.pid)
-        decode_pid = next(pid for pid in sessions if f"--port {decode_port} " in _cmdline(pid) + " ")
+        decode_pid = child_given(sessions, "LAZYSERVE_DECODE_PORT", decode_port)
         rss = []
         for streams, wide, leaving in ((64, 2, 8), (128, 4, 8)):  # 96 and 192 sequences; the worker holds 64
             results = asyncio.run(_burst(url, streams, wide, leaving))

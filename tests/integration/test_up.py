@@ -12,7 +12,7 @@ import threading
 
 import openai
 import pytest
-from conftest import free_port, kill_sessions, session_members, wait_for
+from conftest import child_given, free_port, kill_sessions, session_members, wait_for
 
 
 def _children(pid: int) -> set[int]:
@@ -23,12 +23,6 @@ def _children(pid: int) -> set[int]:
 def _cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline") as f:
         return f.read().replace("\0", " ")
-
-
-def _environ(pid: int) -> list[str]:
-    """A process's environment as NAME=VALUE entries: `up` hands each child its settings there."""
-    with open(f"/proc/{pid}/environ") as f:
-        return f.read().split("\0")
 
 
 @pytest.mark.slow
@@ -59,7 +53,7 @@ def test_up_restarts_a_dead_worker_and_its_children_die_with_it():
         def ask() -> int:
             return client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=2).usage.completion_tokens
 
-        decode_0 = next(pid for pid in sessions if f"LAZYSERVE_DECODE_PORT={decode_port}" in _environ(pid))
+        decode_0 = child_given(sessions, "LAZYSERVE_DECODE_PORT", decode_port)
         os.killpg(decode_0, signal.SIGKILL)
         # While it is down, requests are routed around it (a failed first attempt is retried).
         assert [ask() for _ in range(6)] == [2] * 6
