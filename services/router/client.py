@@ -15,6 +15,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
@@ -126,80 +127,109 @@ async def generate_on(
     """One attempt at a request on these workers (deadline: time.monotonic() based); cache_salt:
     the prefix cache's tenant (the gateway's, from the API key)."""
     pruning_pb, sampling_pb = pruning_to_pb(pruning), sampling_to_pb(sampling)
-    metadata = channels.auth.metadata()
+    call = _Call(channels, deadline, parent)
     if prefill is None:
+        prompt = pb.LocalPrompt(prompt_ids=ids, pruning=pruning_pb, sampling=sampling_pb)
         request = pb.GenerateRequest(
-            request_id=request_id,
-            prompt=pb.LocalPrompt(prompt_ids=ids, pruning=pruning_pb, sampling=sampling_pb),
-            cache_salt=cache_salt,
-            return_token_depths=token_depths,
+            request_id=request_id, prompt=prompt, cache_salt=cache_salt, return_token_depths=token_depths
         )
     else:
         transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
-        stub = pb_grpc.PrefillServiceStub(channels.get(prefill.address))
-        span = tracer.start_span("prefill", context=parent, kind=SpanKind.CLIENT)
-        span.set_attribute("lazyserve.transfer_id", transfer_id)
+        reply = await call.prefill(
+            prefill,
+            decode,
+            pb.PrefillRequest(
+                transfer_id=transfer_id,
+                decode_address=decode.address,
+                prompt_ids=ids,
+                pruning=pruning_pb,
+                sampling=sampling_pb,
+                cache_salt=cache_salt,
+            ),
+        )
+        yield Prefilled(reply)
+        for event in _first_tokens(reply, sampling):
+            yield event
+        request = pb.GenerateRequest(
+            request_id=request_id, transfer_id=transfer_id, cache_salt=cache_salt, return_token_depths=token_depths
+        )
+    # aclosing: a consumer that leaves early cancels the Generate call now, not at finalization.
+    async with aclosing(call.generate(decode, request, sampling.n)) as events:
+        async for event in events:
+            yield event
+
+
+def _first_tokens(reply: pb.PrefillReply, sampling: SamplingParams):
+    """The first token of each choice, sampled by the prefill worker. A stop token is not sent:
+    Generate then ends that choice at once with "stop"."""
+    stats, logprobs = stats_from_pb(reply.stats), [logprobs_from_pb(item) for item in reply.first_logprobs]
+    for index, token in enumerate(reply.first_tokens):
+        if token not in sampling.stop_token_ids:
+            yield Tokens([token], stats, logprobs[index : index + 1] or None, index)
+
+
+@dataclass
+class _Call:
+    """What every call of one attempt shares: the channels, the deadline and the trace."""
+
+    channels: Channels
+    deadline: float
+    parent: otel_context.Context | None
+
+    def _options(self, span) -> dict:
+        timeout = max(self.deadline - time.monotonic(), 0.001)
+        return {"timeout": timeout, "metadata": trace_metadata(span) + self.channels.auth.metadata()}
+
+    async def prefill(self, prefill: WorkerInfo, decode: WorkerInfo, request: pb.PrefillRequest) -> pb.PrefillReply:
+        """Prefill on `prefill`, which streams the KV to `decode`; a failure blames the side that failed."""
+        stub = pb_grpc.PrefillServiceStub(self.channels.get(prefill.address))
+        span = tracer.start_span("prefill", context=self.parent, kind=SpanKind.CLIENT)
+        span.set_attribute("lazyserve.transfer_id", request.transfer_id)
         span.set_attribute("server.address", prefill.address)
         try:
-            reply = await stub.Prefill(
-                pb.PrefillRequest(
-                    transfer_id=transfer_id,
-                    decode_address=decode.address,
-                    prompt_ids=ids,
-                    pruning=pruning_pb,
-                    sampling=sampling_pb,
-                    cache_salt=cache_salt,
-                ),
-                timeout=max(deadline - time.monotonic(), 0.001),
-                metadata=trace_metadata(span) + metadata,
-            )
+            reply = await stub.Prefill(request, **self._options(span))
             span.set_attribute("lazyserve.kv_bytes_sent", reply.kv_bytes_sent)
             span.set_attribute("lazyserve.aux_bytes_sent", reply.aux_bytes_sent)
             span.set_attribute("lazyserve.stream_bytes", reply.bytes_sent)
+            return reply
         except grpc.aio.AioRpcError as error:
             span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))
             # A prefill worker whose transfer failed names the decode worker (rpc.FAILED_AT).
             raise WorkerFailed(decode if failed_at(error) is not None else prefill, error) from None
         finally:
             span.end()
-        yield Prefilled(reply)
-        # A first token may be a stop token; Generate then ends that choice at once with "stop".
-        stats, logprobs = stats_from_pb(reply.stats), [logprobs_from_pb(item) for item in reply.first_logprobs]
-        for index, token in enumerate(reply.first_tokens):
-            if token not in sampling.stop_token_ids:
-                yield Tokens([token], stats, logprobs[index : index + 1] or None, index)
-        request = pb.GenerateRequest(
-            request_id=request_id, transfer_id=transfer_id, cache_salt=cache_salt, return_token_depths=token_depths
-        )
-    span = tracer.start_span("decode", context=parent, kind=SpanKind.CLIENT)
-    span.set_attribute("server.address", decode.address)
-    stub = pb_grpc.DecodeServiceStub(channels.get(decode.address))
-    call = stub.Generate(
-        request, timeout=max(deadline - time.monotonic(), 0.001), metadata=trace_metadata(span) + metadata
-    )
-    remaining = sampling.n
-    try:
-        async for response in call:
-            logprobs = [logprobs_from_pb(item) for item in response.logprobs] or None
-            index = response.index
-            if response.finish_reason:
+
+    async def generate(
+        self, decode: WorkerInfo, request: pb.GenerateRequest, choices: int
+    ) -> AsyncIterator[Tokens | Finished]:
+        """Generate on `decode` until each of the request's `choices` has finished."""
+        span = tracer.start_span("decode", context=self.parent, kind=SpanKind.CLIENT)
+        span.set_attribute("server.address", decode.address)
+        stub = pb_grpc.DecodeServiceStub(self.channels.get(decode.address))
+        call = stub.Generate(request, **self._options(span))
+        remaining = choices
+        try:
+            async for response in call:
+                logprobs = [logprobs_from_pb(item) for item in response.logprobs] or None
+                index = response.index
+                if response.finish_reason:
+                    if response.token_ids:
+                        yield Tokens(list(response.token_ids), None, logprobs, index)
+                    yield Finished(response.finish_reason, stats_from_pb(response.stats), index)
+                    remaining -= 1
+                    if remaining == 0:
+                        return
+                    continue
                 if response.token_ids:
-                    yield Tokens(list(response.token_ids), None, logprobs, index)
-                yield Finished(response.finish_reason, stats_from_pb(response.stats), index)
-                remaining -= 1
-                if remaining == 0:
-                    return
-                continue
-            if response.token_ids:
-                stats = stats_from_pb(response.stats) if response.HasField("stats") else None
-                yield Tokens(list(response.token_ids), stats, logprobs, index)
-        raise UpstreamError(f"decode worker {decode.address} ended the stream without finishing")
-    except grpc.aio.AioRpcError as error:
-        span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))
-        raise WorkerFailed(decode, error) from None
-    finally:
-        call.cancel()  # no-op once finished; frees the sequence when the consumer left early
-        span.end()
+                    stats = stats_from_pb(response.stats) if response.HasField("stats") else None
+                    yield Tokens(list(response.token_ids), stats, logprobs, index)
+            raise UpstreamError(f"decode worker {decode.address} ended the stream without finishing")
+        except grpc.aio.AioRpcError as error:
+            span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))
+            raise WorkerFailed(decode, error) from None
+        finally:
+            call.cancel()  # no-op once finished; frees the sequence when the consumer left early
+            span.end()
 
 
 # ---------------------------------------------------------------------- to the end, for tests and benchmarks
