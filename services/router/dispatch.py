@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import context as otel_context
@@ -52,6 +53,42 @@ FULL_BACKOFF_S = (0.05, 1.0)
 
 class DeadlineError(Exception):
     """The request deadline passed (504)."""
+
+
+@dataclass
+class _Tries:
+    """What one request's attempts have met: workers to avoid, retries and refusals so far, and
+    the last failure's message (for the error if no other worker is left)."""
+
+    max_retries: int
+    metrics: GatewayMetrics
+    exclude: set[str] = field(default_factory=set)
+    retries: int = 0
+    refusals: int = 0
+    last_failure: str | None = None
+
+    async def after(self, failure: WorkerFailed, emitted: bool, request_id: str, deadline: float) -> None:
+        """What a failed attempt leads to: returns when the request goes on (after a pause when the
+        worker was full, elsewhere when it failed), raises when it ends."""
+        error = failure.error
+        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
+            raise DeadlineError("the request did not finish before its deadline") from None
+        message = f"worker {failure.worker.address} failed: {error.code().name}: {error.details()}"
+        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not emitted:
+            # Full, not failed: back to the queue after a pause, on any worker.
+            log.info("request %s: %s; back in the queue", request_id, message)
+            self.metrics.requeued.inc()
+            pause = min(FULL_BACKOFF_S[0] * 2**self.refusals, FULL_BACKOFF_S[1])
+            self.refusals += 1
+            await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            return
+        if emitted or self.retries >= self.max_retries or error.code() in NOT_RETRIED:
+            raise UpstreamError(message) from None
+        log.warning("request %s: %s; retrying on another worker", request_id, message)
+        self.metrics.retries.inc()
+        self.exclude.add(failure.worker.worker_id)
+        self.last_failure = message
+        self.retries += 1
 
 
 class Dispatcher:
@@ -186,79 +223,67 @@ class Dispatcher:
         caller: str = "",
     ) -> AsyncIterator[Decision | Tokens | Finished]:
         """caller: whose turn in the admission queue this request waits for."""
-        exclude: set[str] = set()
-        attempt, refusals, last_failure = 0, 0, None
-        seats, loop = prepared.sampling.n, asyncio.get_running_loop()
+        tries, seats, loop = _Tries(self.retries, self.metrics), prepared.sampling.n, asyncio.get_running_loop()
         # Hashed once, off the event loop: every attempt's routing and the index record use them.
         keys = await off_loop(self.keys, prepared) if self.prefixes is not None else []
         while True:
             try:
                 decision = await self.queue.take(
                     caller,
-                    lambda: off_loop(self.place, prepared, exclude, parent, keys),
+                    lambda: off_loop(self.place, prepared, tries.exclude, parent, keys),
                     lambda placed: self._unplace(placed, seats),
                     deadline,
                 )
             except NoWorkerError:
-                if last_failure is None:
+                if tries.last_failure is None:
                     raise
-                raise UpstreamError(f"{last_failure}; no other worker is live to retry it on") from None
-            emitted = added = False
+                raise UpstreamError(f"{tries.last_failure}; no other worker is live to retry it on") from None
+            added = emitted = False  # emitted: a token has gone out, so no retry
             try:
                 yield decision  # for the gateway's trace and response headers; not a token
                 added = True  # before the call: a -1 that lands first still sums to nothing
                 await off_loop(self._add_load, decision, +1)  # Redis: in a thread, never on the loop
-                # aclosing: when the consumer leaves early, the attempt's calls are cancelled now,
-                # not when the garbage collector finalizes the generator.
-                attempt_events = self.attempt(
-                    self.channels,
-                    decision.decode,
-                    decision.prefill,
-                    prepared.ids,
-                    prepared.pruning,
-                    prepared.sampling,
-                    request_id,
-                    deadline,
-                    parent,
-                    cache_salt=prepared.cache_salt,
-                    token_depths=prepared.token_depths,
-                )
-                async with aclosing(attempt_events) as events:
+                async with aclosing(self._attempt(decision, prepared, request_id, deadline, parent, keys)) as events:
                     async for event in events:
-                        if isinstance(event, Prefilled):
-                            self.metrics.kv_bytes.inc(event.reply.bytes_sent)
-                            self._prefill_cache_figures(decision, event.reply)
-                            continue
-                        if isinstance(event, Tokens) and event.index == 0 and event.stats is not None and not emitted:
-                            self._prefilled(decision, keys, event.stats)
                         emitted = emitted or isinstance(event, Tokens)
                         yield event
                 return
             except WorkerFailed as failure:
-                error = failure.error
-                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
-                    raise DeadlineError("the request did not finish before its deadline") from None
-                message = f"worker {failure.worker.address} failed: {error.code().name}: {error.details()}"
-                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not emitted:
-                    # Full, not failed: back to the queue after a pause, on any worker.
-                    log.info("request %s: %s; back in the queue", request_id, message)
-                    self.metrics.requeued.inc()
-                    pause = min(FULL_BACKOFF_S[0] * 2**refusals, FULL_BACKOFF_S[1])
-                    refusals += 1
-                    await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
-                    continue
-                if emitted or attempt >= self.retries or error.code() in NOT_RETRIED:
-                    raise UpstreamError(message) from None
-                log.warning("request %s: %s; retrying on another worker", request_id, message)
-                self.metrics.retries.inc()
-                exclude.add(failure.worker.worker_id)
-                last_failure = message
-                attempt += 1
+                await tries.after(failure, emitted, request_id, deadline)
             finally:
                 # Also while this task is being cancelled: in threads, never awaited.
                 if added:
                     in_background(self._add_load, decision, -1)
                 in_background(self._unplace, decision, seats, loop)
+
+    async def _attempt(self, decision: Decision, prepared: Prepared, request_id, deadline, parent, keys):
+        """One attempt on the placed workers: its Tokens and Finished (the prefill's figures noted)."""
+        events = self.attempt(
+            self.channels,
+            decision.decode,
+            decision.prefill,
+            prepared.ids,
+            prepared.pruning,
+            prepared.sampling,
+            request_id,
+            deadline,
+            parent,
+            cache_salt=prepared.cache_salt,
+            token_depths=prepared.token_depths,
+        )
+        # aclosing: when the consumer leaves early, the attempt's calls are cancelled now, not
+        # when the garbage collector finalizes the generator.
+        async with aclosing(events):
+            prefilled = False
+            async for event in events:
+                if isinstance(event, Prefilled):
+                    self.metrics.kv_bytes.inc(event.reply.bytes_sent)
+                    self._prefill_cache_figures(decision, event.reply)
+                    continue
+                if isinstance(event, Tokens) and event.index == 0 and event.stats is not None and not prefilled:
+                    self._prefilled(decision, keys, event.stats)
+                prefilled = prefilled or isinstance(event, Tokens)
+                yield event
 
     def _prefilled(self, decision: Decision, keys: list[bytes], stats) -> None:
         """The prompt is prefilled: count what the cache gave, and note who holds the prompt now."""
