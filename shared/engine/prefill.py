@@ -135,7 +135,6 @@ class PrefillRun:
         if self.h is None:
             self.h = model.embed_tokens(self.ids.to(model.device))
         positions, h = self.positions, self.h
-        n = self.num_prompt
         # With batch invariance, prompt rows in fixed tiles, each row at offset (its position) mod
         # PROMPT_TILE: a hit's new rows sit where a prefill from scratch computes them (invariant.py).
         tile, offset = model.prompt_tile, int(positions[0])
@@ -153,24 +152,9 @@ class PrefillRun:
         written, aux_positions, aux_hidden, window = key_positions, positions[:0], h[:0], None
         boundary_here = self.keep_boundary and index == self.held - 1
         if index == model.spec.num_layers - 1:
-            # Only the last row's output is used: the others need KV here, not attention or MLP.
-            mask = window_mask(model, index, positions[-1:], key_positions)
-            h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], keys, values, mask=mask))
-            self.logits = logits_of(model, h)[0]
-            self.elapsed_s = time.perf_counter() - self.started_s
-            self._masks.clear()  # a finished run may be held for decode: not its masks
-            self._prompt_masks.clear()
+            h = self._last_layer(index, positions, h, q, keys, values, key_positions)
         else:
-            if key_positions.shape[0] == n and tile is not None:
-                # Every prompt token has K here (no stage has pruned yet): the rows computed are a
-                # run of positions to the end, computed as every prompt computes them.
-                out = prompt_attention(model, index, q, keys, values, offset, self._prompt_masks)
-            else:
-                mask = self._mask(index, positions, key_positions, hit)
-                if mask is not None:
-                    out = attend(model, q, keys, values, mask=mask)
-                else:
-                    out = attend(model, q, k, v, is_causal=True)
+            out = self._attend(index, q, k, v, keys, values, key_positions, hit, offset)
             h = finish(model, index, h, out, tile, offset)
             if hit and index == self.prefix.layers - 1:
                 # Leaving the last shared layer: the cached tokens rejoin from their stored states.
@@ -180,17 +164,9 @@ class PrefillRun:
                 cache.boundary.write(positions, h)
             keep = config.keep_at(index) if config.enabled else None
             if keep is not None:
-                w = config.window
-                attention = None
-                if self.scorer.needs_attention:
-                    attention = window_scores(model, q[:, :, -w:], keys, None, positions[-w:], key_positions)
-                scores = self.scorer.score(ScoreInputs(index, positions, attention))
-                chosen = select(config, keep, scores, positions, n, mass=attention)
-                if config.reselects and w > 1:
-                    window = cache.windows[index] = QueryWindow(positions[-w:].clone(), q[:, :, -w:].clone())
-                aux_positions, aux_hidden = positions[~chosen], h[~chosen]
-                cache.stash(index, aux_positions, aux_hidden)
-                positions, h = positions[chosen], h[chosen]
+                positions, h, aux_positions, aux_hidden, window = self._select(
+                    index, keep, q, keys, positions, key_positions, h
+                )
         self.positions, self.h = positions, h
         self.layer += 1
         if self.on_layer is not None:
@@ -199,6 +175,46 @@ class PrefillRun:
                 frame = dataclasses.replace(frame, boundary_positions=positions, boundary_hidden=h)
             self.on_layer(frame)
         return k.shape[2]
+
+    def _last_layer(self, index: int, positions, h, q, keys, values, key_positions) -> torch.Tensor:
+        """The logits; only the last row's output is used (the others need KV here, not attention
+        or MLP). Returns that row's hidden state [1, hidden]."""
+        model = self.model
+        mask = window_mask(model, index, positions[-1:], key_positions)
+        h = finish(model, index, h[-1:], attend(model, q[:, :, -1:], keys, values, mask=mask))
+        self.logits = logits_of(model, h)[0]
+        self.elapsed_s = time.perf_counter() - self.started_s
+        self._masks.clear()  # a finished run may be held for decode: not its masks
+        self._prompt_masks.clear()
+        return h
+
+    def _attend(self, index: int, q, k, v, keys, values, key_positions, hit: bool, offset: int) -> torch.Tensor:
+        """The new rows' attention over the keys held at this layer."""
+        model = self.model
+        if key_positions.shape[0] == self.num_prompt and model.prompt_tile is not None:
+            # Every prompt token has K here (no stage has pruned yet): the rows computed are a
+            # run of positions to the end, computed as every prompt computes them.
+            return prompt_attention(model, index, q, keys, values, offset, self._prompt_masks)
+        mask = self._mask(index, self.positions, key_positions, hit)
+        if mask is not None:
+            return attend(model, q, keys, values, mask=mask)
+        return attend(model, q, k, v, is_causal=True)
+
+    def _select(self, index: int, keep: float, q, keys, positions, key_positions, h):
+        """A stage layer's cut: (positions, h) that go deeper, and (positions, h) stashed in the
+        Aux Cache here, and the query window kept for decode's re-selection (or None)."""
+        config, cache, w = self.config, self.cache, self.config.window
+        attention = None
+        if self.scorer.needs_attention:
+            attention = window_scores(self.model, q[:, :, -w:], keys, None, positions[-w:], key_positions)
+        scores = self.scorer.score(ScoreInputs(index, positions, attention))
+        chosen = select(config, keep, scores, positions, self.num_prompt, mass=attention)
+        window = None
+        if config.reselects and w > 1:
+            window = cache.windows[index] = QueryWindow(positions[-w:].clone(), q[:, :, -w:].clone())
+        aux_positions, aux_hidden = positions[~chosen], h[~chosen]
+        cache.stash(index, aux_positions, aux_hidden)
+        return positions[chosen], h[chosen], aux_positions, aux_hidden, window
 
     def _mask(self, index: int, positions, key_positions, hit: bool) -> torch.Tensor | None:
         """Causal by original position over the keys held here (a hit's cached ones first), within
