@@ -13,9 +13,7 @@ import queue
 import uuid
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
 
-import grpc
 import torch
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -37,7 +35,7 @@ from shared.engine import (
 )
 from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
-from shared.net.rpc import Cancelled, InvalidArgument, Unavailable, make_server, start_serving
+from shared.net.rpc import Cancelled, InvalidArgument, RunningServer, Unavailable, make_server, start_serving
 from shared.net.telemetry import extract_context, tracer
 from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb, verify_checksum
 
@@ -318,22 +316,9 @@ def _response(tokens: list[Sampled], index: int) -> pb.GenerateResponse:
     return response
 
 
-@dataclass
-class DecodeWorker:
-    """A running decode server; `address` is what prefill workers and routers dial."""
-
-    server: grpc.Server
-    servicer: DecodeServicer
-    address: str
-
-    def stop(self, grace: float | None = 1.0) -> None:
-        self.server.stop(grace).wait()
-        self.servicer.close()
-
-
 def start_decode_worker(
     settings: DecodeSettings, loaded: LoadedModel, compute: ComputeThread | None = None
-) -> DecodeWorker:
+) -> RunningServer:
     """compute: the thread that loaded `loaded` (None: the scheduler starts a thread of its own)."""
     servicer = DecodeServicer(loaded, settings, compute)
     auth = settings.internal_auth()
@@ -341,4 +326,4 @@ def start_decode_worker(
     pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     address = start_serving(server, health, settings.host, settings.port, settings.advertise_host, [SERVICE], auth)
     log.info("decode worker serving %s on %s", loaded.name, address)
-    return DecodeWorker(server, servicer, address)
+    return RunningServer(server, servicer, address)

@@ -12,7 +12,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import grpc
 import torch
 from opentelemetry.trace import SpanKind
 
@@ -25,7 +24,7 @@ from shared.contract.wire import logprobs_to_pb, prompt_from_pb
 from shared.engine import PrefixReuse, Sampler, Stats, run_prefill
 from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
-from shared.net.rpc import Cancelled, DeadlineExceeded, InvalidArgument, make_server, start_serving
+from shared.net.rpc import Cancelled, DeadlineExceeded, InvalidArgument, RunningServer, make_server, start_serving
 from shared.net.telemetry import extract_context, tracer
 from shared.transfer import end_message, header_message, stats_to_pb
 
@@ -179,20 +178,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return samplers, [sampler.choose(logits) for sampler in samplers], stats
 
 
-@dataclass
-class PrefillWorker:
-    server: grpc.Server
-    servicer: PrefillServicer
-    address: str
-
-    def stop(self, grace: float | None = 1.0) -> None:
-        self.server.stop(grace).wait()
-        self.servicer.close()
-
-
 def start_prefill_worker(
     settings: PrefillSettings, loaded: LoadedModel, compute: ComputeThread | None = None
-) -> PrefillWorker:
+) -> RunningServer:
     """compute: the thread that loaded `loaded` (None: a thread of its own runs the engine)."""
     servicer = PrefillServicer(loaded, settings, compute=compute)
     server, health = make_server(settings.grpc_workers, auth=servicer.auth)
@@ -201,4 +189,4 @@ def start_prefill_worker(
         server, health, settings.host, settings.port, settings.advertise_host, [SERVICE], servicer.auth
     )
     log.info("prefill worker serving %s on %s", loaded.name, address)
-    return PrefillWorker(server, servicer, address)
+    return RunningServer(server, servicer, address)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -167,6 +168,19 @@ def _abort(context, error: Exception) -> None:
     if isinstance(error, DownstreamError) and error.address is not None:
         context.set_trailing_metadata(((FAILED_AT, error.address),))
     context.abort(*status_of(error))
+
+
+@dataclass
+class RunningServer:
+    """A started worker server: `address` is what others dial; stop ends the server, then its servicer."""
+
+    server: grpc.Server
+    servicer: object  # with a close()
+    address: str
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.server.stop(grace).wait()
+        self.servicer.close()
 
 
 def make_server(

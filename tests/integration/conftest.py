@@ -191,7 +191,7 @@ def gateway(tiny_text):
 
 @pytest.fixture
 def prefill_worker():
-    """start(loaded, **settings) -> an in-process PrefillWorker (a real gRPC server, without Ray)."""
+    """start(loaded, **settings) -> an in-process prefill RunningServer (a real gRPC server, without Ray)."""
     from services.prefill.settings import PrefillSettings
     from services.prefill.worker import start_prefill_worker
 
