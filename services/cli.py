@@ -14,6 +14,7 @@ from services.prefill.settings import PrefillSettings
 from services.router.settings import GatewaySettings
 from services.up import UP_OPTIONS
 from shared.compute import set_openmp_env
+from shared.contract import PRESET_NAMES
 from shared.net.lifecycle import watch_lifeline
 from shared.settings import EngineSettings
 
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument(
         "--pruning",
         default=None,
-        help="a preset (off, default, fast, lazyllm) or FILE.json for every line; a body's own wins; "
+        help=f"a preset ({', '.join(PRESET_NAMES)}) or FILE.json for every line; a body's own wins; "
         "without it, lines get the default preset (LAZYSERVE_PRUNING_PRESET, else 'default')",
     )
     add_flags(batch, BATCH_OPTIONS)

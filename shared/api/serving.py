@@ -186,8 +186,8 @@ def prepare(llm: TextModel, request: ChatCompletionRequest | CompletionRequest) 
         top_p=request.top_p,
         seed=request.seed,
         stop_token_ids=_stop_token_ids(llm, request),
-        # At or over the vocabulary it keeps every token: off, as 0 (and within the wire's uint32;
-        # 110432545974350440824832 was a 500, found by the schema fuzzer).
+        # At or over the vocabulary it keeps every token: off, as 0 (which also keeps any value the
+        # client sends within the wire's uint32).
         top_k=request.top_k if 0 < request.top_k < llm.spec.vocab_size else 0,
         min_p=request.min_p,
         presence_penalty=request.presence_penalty,

@@ -153,9 +153,8 @@ PRESETS: dict[str, dict] = {
     # 32 positions (SlimInfer's unit), not single tokens: a short few-shot example stays whole with
     # its label (24 few-shot dev cases at 4096: the unpruned answer in 24, token-level in 20).
     # Decode re-selects every 8 steps and revives at most one block per stage each time: reviving
-    # whatever the newest query liked cost more than the pruning saved (0.65-0.84x the unpruned
-    # step in float32), and on the test split this keeps default's fidelity (teacher-forced top-1
-    # 94.3% against 94.5% at 2k, 120 cases; docs/results.md, issue 27).
+    # whatever the newest query liked cost more than the pruning saved, and this keeps default's
+    # fidelity on the test split (docs/results.md, issue 27).
     "default": {
         "stages": ((0.6, 0.2),),
         "granularity": "block",
