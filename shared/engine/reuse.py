@@ -1,5 +1,7 @@
-"""A worker's prefix cache in use: what a prefill starts from, and what a prefill or a finished
-sequence leaves behind for the next prompt with the same start.
+"""A worker's prefix cache in use: what a prefill starts from, and what a prefill (or a received
+transfer) leaves behind for the next prompt with the same start. Answers are not cached: decode
+computes them one row at a time, which a later prefill of the same text does not reproduce bit
+for bit.
 
 The keys name the model, the dtype, the layers held and a salt made by the server (one per API
 key), so tenants never share entries. The prefill worker, the decode worker and run-batch each
