@@ -89,7 +89,7 @@ class Sequence:
     outbox: queue.Queue[ChoiceToken | ChoiceEnd] = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     index: int = 0  # which choice of its request
-    width: int = 1  # how many choices its request has
+    num_choices: int = 1  # how many choices its request has (sampling n)
     choices: list[Sequence] = field(default_factory=list)  # its request's choices by index, itself included
     # For the prefix cache: the prompt, and the tenant it is cached under.
     prompt_ids: list[int] = field(default_factory=list)
@@ -114,7 +114,7 @@ class Sequence:
         for index, (decoding, token) in enumerate(zip(decodings, first_tokens)):
             decoding.accept(token)
             sequence = cls(request_id, decoding.generation, decoding=decoding, outbox=outbox, cancelled=cancelled)
-            sequence.index, sequence.width, sequence.choices = index, len(decodings), choices
+            sequence.index, sequence.num_choices, sequence.choices = index, len(decodings), choices
             sequence.prompt_ids, sequence.cache_salt = prompt_ids or [], cache_salt
             choices.append(sequence)
         return choices
@@ -128,7 +128,7 @@ class Sequence:
             Generation(),
             prefill=run,
             params=params,
-            width=params.n,
+            num_choices=params.n,
             prompt_ids=prompt_ids,
             cache_salt=cache_salt,
         )
@@ -136,7 +136,7 @@ class Sequence:
     @property
     def slots(self) -> int:
         """Sequences it counts for: a local prefill counts its choices to come."""
-        return self.width if self.prefill is not None else 1
+        return self.num_choices if self.prefill is not None else 1
 
     @property
     def bytes_held(self) -> int:
@@ -266,7 +266,7 @@ class Scheduler:
                 self._retire(sequence, ChoiceFinished(sequence.index, sequence.generation.finish_reason))
             elif sequence.prefill is not None:
                 prefilling = prefilling or sequence
-            elif len(batch) < self.max_batch_size and sequence.outbox.qsize() < self.max_unsent * sequence.width:
+            elif len(batch) < self.max_batch_size and sequence.outbox.qsize() < self.max_unsent * sequence.num_choices:
                 batch.append(sequence)
         if len(batch) == self.max_batch_size:
             with self._lock:  # those that stepped go to the back: the others go first next time
@@ -304,7 +304,7 @@ class Scheduler:
         ]
         for sibling, decoding in zip(siblings, decodings):
             sibling.decoding, sibling.generation = decoding, decoding.generation
-            sibling.width, sibling.choices = len(decodings), sequence.choices
+            sibling.num_choices, sibling.choices = len(decodings), sequence.choices
         sequence.choices.extend(siblings[1:])
         sequence.prefill = None
         with self._lock:

@@ -150,7 +150,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         started.extend(sequences)
         head = sequences[0]
         context.add_callback(head.cancelled.set)  # runs when the call ends, cancelled or not
-        remaining, sent = head.width, set()  # choices not finished; choices that sent a response
+        remaining, sent = head.num_choices, set()  # choices not finished; choices that sent a response
         while remaining:
             items = [head.outbox.get()]
             while True:

@@ -309,9 +309,9 @@ class LazyCache:
             self.depth = grown
 
     def shared_rows(self, layers: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What a prefix cache keeps of the prompt held here from position `start` on: K and V at layers 0..layers-1 [layers, Hkv, length - start, D]
-        and, when that is not every layer, the hidden states leaving the last of them
-        [length - start, hidden] (`boundary` must hold them)."""
+        """What a prefix cache keeps of the prompt held here from position `start` on: K and V at
+        layers 0..layers-1 [layers, Hkv, length - start, D] and, when that is not every layer, the
+        hidden states leaving the last of them [length - start, hidden] (`boundary` must hold them)."""
         n = self.length
         expected = torch.arange(n, device=self.depth.device)
         for index, layer in enumerate(self.layers[:layers]):
