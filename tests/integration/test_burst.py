@@ -5,6 +5,7 @@ give up while queued leave nothing; the decode worker's memory comes back after 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import subprocess
@@ -39,31 +40,61 @@ def quantile_from_histogram(text: str, name: str, q: float) -> float:
     return next(bound for bound, count in buckets if count >= q * total)
 
 
-async def _one(client: httpx.AsyncClient, url: str, path: str, body: dict, give_up_s: float | None):
-    """(status, choices that got tokens, seconds); status 0: the client gave up (on purpose)."""
+async def _one(client: httpx.AsyncClient, url: str, path: str, body: dict):
+    """(status, choices that got tokens, seconds)."""
     start, seen = time.monotonic(), set()
-    try:
-        async with asyncio.timeout(give_up_s):
-            async with client.stream("POST", f"{url}{path}", json={**body, "stream": True}) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    return response.status_code, 0, time.monotonic() - start
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        assert '"error"' not in line, line
-                        seen.update(int(i) for i in re.findall(r'"index": ?(\d+)', line))
-    except TimeoutError:
-        return 0, 0, time.monotonic() - start
+    async with client.stream("POST", f"{url}{path}", json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response.status_code, 0, time.monotonic() - start
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                assert '"error"' not in line, line
+                seen.update(int(i) for i in re.findall(r'"index": ?(\d+)', line))
     return 200, len(seen), time.monotonic() - start
 
 
+async def _leave(url: str, body: dict, after_s: float) -> tuple[int, int, float]:
+    """A client that sends its request and goes away `after_s` later unless an answer began: the
+    clock starts once the request is on the wire, so on a busy host it is not the client's own
+    connecting that runs out the time. (status, 0, seconds); status 0: it gave up."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps({**body, "stream": True}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        await writer.drain()
+        start = time.monotonic()
+        try:
+            async with asyncio.timeout(after_s):
+                status_line = await reader.readline()
+        except TimeoutError:
+            return 0, 0, time.monotonic() - start
+        return int(status_line.split()[1]), 0, time.monotonic() - start
+    finally:
+        writer.close()
+
+
 async def _burst(url: str, streams: int, wide: int, leaving: int) -> list[tuple[int, int, float]]:
-    bodies = [("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 32}, None) for _ in range(streams)]
-    bodies += [("/v1/completions", {"prompt": "Rivers", "max_tokens": 16, "n": 16}, None) for _ in range(wide)]
-    # Clients that give up after 0.3 s: with a queue this deep they are still waiting then.
-    bodies += [("/v1/completions", {"prompt": "Lakes", "max_tokens": 64}, 0.3) for _ in range(leaving)]
+    bodies = [("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 32}) for _ in range(streams)]
+    bodies += [("/v1/completions", {"prompt": "Rivers", "max_tokens": 16, "n": 16}) for _ in range(wide)]
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as client:
-        return await asyncio.gather(*(_one(client, url, path, body, give_up) for path, body, give_up in bodies))
+        before = await _received(client, url)
+        served = [asyncio.create_task(_one(client, url, path, body)) for path, body in bodies]
+        # Clients that give up 0.3 s after sending, sent once the gateway has every request of the
+        # burst: they wait behind them (first come, first served), so they are still queued then.
+        deadline = time.monotonic() + 60
+        while await _received(client, url) < before + len(bodies) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        leavers = [_leave(url, {"prompt": "Lakes", "max_tokens": 64}, 0.3) for _ in range(leaving)]
+        return await asyncio.gather(*served, *leavers)
+
+
+async def _received(client: httpx.AsyncClient, url: str) -> float:
+    """Completion requests the gateway has counted so far."""
+    metrics = (await client.get(f"{url}/metrics")).text
+    return float(re.search(r"^lazyserve_requests_received_total (\S+)$", metrics, re.M).group(1))
 
 
 @pytest.mark.slow
