@@ -97,12 +97,21 @@ def given(args: argparse.Namespace, options: Iterable[Option]) -> dict[Option, o
     return {option: option.value_of(args) for option in options if option.value_of(args) is not None}
 
 
+def of(values: dict[Option, object], settings: type[BaseModel]) -> dict[Option, object]:
+    """The options among `values` that are fields of `settings`."""
+    return {option: value for option, value in values.items() if option.settings is settings}
+
+
+def fields_of(values: dict[Option, object], settings: type[BaseModel]) -> dict[str, object]:
+    """`settings`' fields among `values`, by field name: what `settings(**...)` takes."""
+    return {option.field: value for option, value in of(values, settings).items()}
+
+
 def build(settings: type[BaseModel], args: argparse.Namespace, options: Iterable[Option]):
     """`settings` from the flags given (the environment and defaults for the rest); the engine's
     flags go to its `engine` field."""
     values = given(args, options)
-    own = {option.field: value for option, value in values.items() if option.settings is settings}
-    engine = {option.field: value for option, value in values.items() if option.settings is EngineSettings}
+    own, engine = fields_of(values, settings), fields_of(values, EngineSettings)
     if settings is EngineSettings:
         return EngineSettings(**own)
     if engine:

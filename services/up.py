@@ -31,7 +31,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 
 from services.decode.settings import DecodeSettings
-from services.options import Option, engine_options, environment
+from services.options import Option, engine_options, environment, fields_of, of
 from services.prefill.settings import PrefillSettings
 from services.router.settings import GatewaySettings
 from shared.net.lifecycle import LIFELINE_ENV
@@ -210,16 +210,12 @@ UP_OPTIONS = [
 ]
 
 
-def _of(values: dict[Option, object], settings: type) -> dict[Option, object]:
-    return {option: value for option, value in values.items() if option.settings is settings}
-
-
 def up(values: dict[Option, object]) -> int:
     """Start the stack with these options (services.options.given) and supervise it."""
-    plan = UpSettings(**{option.field: value for option, value in _of(values, UpSettings).items()})
-    gateway_values = _of(values, GatewaySettings)
-    gateway = GatewaySettings(**{option.field: value for option, value in gateway_values.items()})
-    stack = Stack(environment(_of(values, EngineSettings)))  # every process: all agree on the engine
+    plan = UpSettings(**fields_of(values, UpSettings))
+    gateway_values = of(values, GatewaySettings)
+    gateway = GatewaySettings(**fields_of(values, GatewaySettings))
+    stack = Stack(environment(of(values, EngineSettings)))  # every process: all agree on the engine
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -232,7 +228,7 @@ def up(values: dict[Option, object]) -> int:
             prefill_values = {
                 Option(PrefillSettings, "port"): plan.prefill_port,
                 Option(PrefillSettings, "num_actors"): plan.prefill_actors,
-                **_of(values, PrefillSettings),
+                **of(values, PrefillSettings),
             }
             prefill = stack.start("prefill", "prefill-worker", prefill_values)
             decode_addresses = [stack.wait_ready(child, "decode", 1, plan.timeout_s)[0] for child in decoders]

@@ -294,8 +294,13 @@ class LazyCache:
 
     def fork(self) -> LazyCache:
         """An independent copy, for another choice decoded from the same prefill. The cache is not
-        paged, so the choices cannot share blocks: each holds its own K/V and Aux Cache."""
-        return copy.deepcopy(self)
+        paged, so the choices cannot share blocks: each holds its own K/V and Aux Cache. The
+        boundary states are not copied: only the original's prompt is cached from them."""
+        boundary, self.boundary = self.boundary, None
+        try:
+            return copy.deepcopy(self)
+        finally:
+            self.boundary = boundary
 
     def reserve(self, extra: int) -> None:
         """Make each layer's room exactly its rows plus `extra`: done once when a transfer is

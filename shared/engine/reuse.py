@@ -88,17 +88,16 @@ class PrefixReuse:
         """Cache every full block of a received prompt (`ids`, the tokens `cache` holds). A cache
         that lacks the states leaving the shared layers (a transfer from a sender that did not keep
         them) is skipped. Returns blocks added; the states are dropped after."""
-        layers = held_layers(config, self.model.spec.num_layers)
-        if layers < self.model.spec.num_layers and (cache.boundary is None or cache.boundary.layer != layers - 1):
-            return 0
-        count = cache.length - cache.length % self.cache.block_tokens
-        if count == 0:
-            return 0
-        keys = self.keys(list(ids)[:count], config, salt)
         try:
-            return self._insert(cache, keys, layers)
+            layers = held_layers(config, self.model.spec.num_layers)
+            if layers < self.model.spec.num_layers and (cache.boundary is None or cache.boundary.layer != layers - 1):
+                return 0
+            count = cache.length - cache.length % self.cache.block_tokens
+            if count == 0:
+                return 0
+            return self._insert(cache, self.keys(list(ids)[:count], config, salt), layers)
         finally:
-            cache.boundary = None
+            cache.boundary = None  # cached or not, nothing reads them again
 
     def _insert(self, cache: LazyCache, keys: list[bytes], layers: int) -> int:
         """Gather only the rows of blocks not held yet (a warm prompt adds a block or two)."""

@@ -321,3 +321,15 @@ def test_a_prefill_from_what_is_left_after_eviction_equals_one_from_scratch(tiny
     warm = _prefill(reuse, prompt, LAZY)
     assert warm.cache.cached_tokens == 96
     torch.testing.assert_close(warm.logits, _run(model, prompt, LAZY).logits, atol=1e-4, rtol=0)
+
+
+def test_a_fork_leaves_the_boundary_states_with_the_original(tiny_llama):
+    """Another choice's copy of a prefilled cache needs no boundary states: only the original's
+    prompt is cached from them, and `remember` drops them once it has (cached or not)."""
+    model = tiny_llama.engine
+    run = _run(model, _ids(40, 43), LAZY)
+    fork = run.cache.fork()
+    assert fork.boundary is None and run.cache.boundary is not None
+    assert fork.bytes_held == run.cache.bytes_held - run.cache.boundary.nbytes
+    _reuse(model).remember(run.cache, _ids(40, 43).tolist(), LAZY)
+    assert run.cache.boundary is None
