@@ -109,6 +109,15 @@ def cmd_health(args) -> int:
     return 0 if healthy else 1
 
 
+def cmd_models(args) -> int:
+    """Convert the installed bundled models once (make setup runs it); list where each lives."""
+    from shared.models.catalog import prepare_bundled_models
+
+    for name, where in prepare_bundled_models().items():
+        print(f"{name}: {where}")
+    return 0
+
+
 def plugins(group: str) -> dict[str, EntryPoint]:
     """Commands another package adds (pyproject's entry points): `lazyserve bench NAME` runs the
     `lazyserve.bench` table's NAME, `lazyserve eval` the `lazyserve.commands` table's; the CLI
@@ -167,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--service", default="", help="a service name; default: the whole server")
     probe.add_argument("--timeout", type=float, default=2.0)
 
+    sub.add_parser("models", help="convert the installed bundled models once into the cache and list them")
+
     benches = sorted(plugins("lazyserve.bench"))
     bench = sub.add_parser(
         "bench", add_help=False, help=f"benchmarks: {', '.join(benches)} (bench NAME --help: its flags)"
@@ -198,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "up": cmd_up,
         "certs": cmd_certs,
         "health": cmd_health,
+        "models": cmd_models,
     }
     return handlers[args.command](args)
 

@@ -142,6 +142,18 @@ def bundled_model_folder(name: str, cache_dir: Path | None = None) -> Path:
     return _converted_folder(BUNDLED_MODELS[name], cache_dir or default_cache_dir())
 
 
+def prepare_bundled_models(cache_dir: Path | None = None) -> dict[str, Path | str]:
+    """Convert every installed bundled model now (`make setup`, an image's build), so that no
+    first start or first test pays the conversion; name -> its folder, or why it was skipped."""
+    prepared: dict[str, Path | str] = {}
+    for name in BUNDLED_MODELS:
+        try:
+            prepared[name] = bundled_model_folder(name, cache_dir)
+        except ModelNotFoundError as error:
+            prepared[name] = str(error)
+    return prepared
+
+
 def default_model_folder(cache_dir: Path | None = None) -> Path:
     """The default model as a Hugging Face folder (converted on first use)."""
     return bundled_model_folder(DEFAULT_MODEL, cache_dir)
