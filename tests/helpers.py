@@ -7,7 +7,8 @@ import math
 import torch
 from transformers import LogitsProcessor
 
-from shared.engine import OFF, PruneConfig, SamplingParams, Stats, generate, prefill
+from shared.engine import OFF, PruneConfig, SamplingParams, Stats, prefill
+from shared.engine.generate import Generation, decode_tokens
 from shared.transfer import end_message, frame_messages, header_message
 
 
@@ -96,16 +97,23 @@ def compare_with_transformers(loaded, ids: torch.Tensor, steps: int = 16) -> Non
     continue differently; anywhere else the tokens are generate()'s."""
     model = loaded.engine
     device_ids = ids[None].to(model.device)
+    eos = loaded.stop_token_ids
     with torch.inference_mode():
-        reference = model.hf(device_ids, logits_to_keep=1).logits[0, -1].float()
-        _, logits = prefill(model, ids, OFF)
-        expected = model.hf.generate(device_ids, max_new_tokens=steps, do_sample=False)[0, ids.shape[0] :].tolist()
+        # One prefill a side: generate()'s first logits are its forward over the prompt, and ours
+        # are the prefill's that the decode loop starts from.
+        out = model.hf.generate(
+            device_ids, max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+        reference, expected = out.logits[0][0].float(), out.sequences[0, ids.shape[0] :].tolist()
+        cache, logits = prefill(model, ids, OFF, reserve=steps)
+        ours = Generation()
+        params = SamplingParams(max_new_tokens=steps, stop_token_ids=eos)
+        for _ in decode_tokens(model, cache, logits, OFF, params, ours, prompt_ids=ids):
+            pass
     bound = 6 * _bf16_step(reference) if model.dtype == torch.bfloat16 else 1e-4
     difference = float((logits - reference).abs().max())
     assert difference <= bound, f"logits differ by {difference}"
-    eos = loaded.stop_token_ids
     expected = [t for t in expected if t not in eos][: len(expected)]
-    ours = generate(model, ids, OFF, SamplingParams(max_new_tokens=steps, stop_token_ids=eos))
     if ours.tokens == expected[: len(ours.tokens)] and len(ours.tokens) == len(expected):
         return
     sequence = torch.cat([ids, torch.tensor(ours.tokens, dtype=ids.dtype)])[None].to(model.device)
