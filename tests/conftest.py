@@ -8,9 +8,16 @@ import pytest
 import torch
 
 from shared.models.catalog import TINY_MODELS
+from shared.models.precision import CpuFeatures
 from shared.models.weights import load_model
+from shared.settings import available_cores
 
-torch.set_num_threads(2)
+# `make test` runs the suite on pytest-xdist workers, one per core: each takes its share of the
+# cores for torch, so that two workers' OpenMP teams do not fight over the same cores (a team
+# whose thread is descheduled waits at every barrier: several times slower, not two).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, available_cores() // WORKERS)
+torch.set_num_threads(THREADS)
 
 # Every worker a test starts (in process, as a subprocess, as a Ray actor) runs float32, whatever
 # `--dtype auto` would pick on this host: CI runs on hosts with and without bfloat16 instructions,
@@ -20,11 +27,37 @@ os.environ["LAZYSERVE_DTYPE"] = "float32"
 
 ALL_MODELS = (*TINY_MODELS, "SmolLM2-135M-Instruct")
 
+# A CPU without AMX or AVX512-BF16 converts every bfloat16 operand to float32 and back, about 4x
+# slower than float32: there the real models' bfloat16 equalities run in the slow tier (this
+# mark), and `make test` keeps bfloat16 on the tiny models. LAZYSERVE_TEST_NATIVE_BF16=0 (or 1)
+# shows one kind of host's split on the other.
+_native = os.environ.get("LAZYSERVE_TEST_NATIVE_BF16")
+NATIVE_BFLOAT16 = CpuFeatures.detect().native_bfloat16 if _native is None else _native == "1"
+SLOW_WITHOUT_NATIVE_BFLOAT16 = () if NATIVE_BFLOAT16 else (pytest.mark.slow,)
+
 
 def pytest_addoption(parser):
     # The exactness tests on another device: `pytest --device cuda tests/unit/engine/test_baseline.py`.
     # Everything else runs on the CPU, which is all CI has.
     parser.addoption("--device", default="cpu", help="device of the models the `load` fixture gives (default cpu)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` a group runs on one worker. A module is a group, so its
+    module-scoped servers start once; every test that uses the local Ray is one group, so one
+    worker starts Ray."""
+    for item in items:
+        group = "local-ray" if "local_ray" in item.fixturenames else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """A benchmark's main() run in process sets torch's threads for this thread: put them back."""
+    yield
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(scope="session")
