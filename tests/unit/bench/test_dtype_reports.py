@@ -11,6 +11,7 @@ from bench import ttft as bench_ttft
 from bench.evalsuite.harness import run_case
 from bench.evalsuite.tasks import make_suite
 from shared.api.llm import LLM
+from tests.conftest import SLOW_WITHOUT_NATIVE_BFLOAT16
 
 
 def test_bench_ttft_times_both_dtypes_in_one_run_against_float32_full(tmp_path):
@@ -47,11 +48,12 @@ def suite_case(load):
     return llm, make_suite(llm.tokenizer, ["passkey"], [300], "dev", 1)[0]
 
 
-def test_eval_runs_configurations_at_another_dtype_against_the_float32_reference(load, suite_case):
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=SLOW_WITHOUT_NATIVE_BFLOAT16)])
+def test_eval_runs_configurations_at_another_dtype_against_the_float32_reference(load, suite_case, dtype):
     llm, case = suite_case
     configs = {"off": llm.resolve_pruning("off"), "default": llm.resolve_pruning("default")}
-    records = run_case(llm, case, configs, LLM(load("SmolLM2-135M-Instruct", "bfloat16")), "@bfloat16")
-    assert [r["config"] for r in records] == ["off", "off@bfloat16", "default@bfloat16"]
+    records = run_case(llm, case, configs, LLM(load("SmolLM2-135M-Instruct", dtype)), f"@{dtype}")
+    assert [r["config"] for r in records] == ["off", f"off@{dtype}", f"default@{dtype}"]
     reference, unpruned_bf16 = records[0], records[1]
     assert reference["first_top1"] == 1.0 and reference["teacher_kl"] == 0.0
     # The bfloat16 model's own unpruned run, compared with the float32 one: a real difference.

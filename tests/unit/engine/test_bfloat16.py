@@ -23,6 +23,7 @@ import torch
 from shared.engine import OFF, PruneConfig, SamplingParams, generate, prefill
 from shared.models.catalog import TINY_MODELS
 from shared.transfer import payload_bytes
+from tests.conftest import SLOW_WITHOUT_NATIVE_BFLOAT16
 from tests.helpers import compare_with_transformers, encode_transfer, random_ids
 
 STEPS = 16
@@ -46,13 +47,16 @@ def _smollm2_prompt(loaded, chars: int, topic: str) -> torch.Tensor:
     return torch.tensor(loaded.tokenizer(template, add_special_tokens=False).input_ids)
 
 
-# Eight prompts from a few dozen tokens to about 2k: the short half in `make test`, the long half
-# (each about 10 s per side on a CPU without bfloat16 instructions) in the slow tier.
+# Eight prompts from a few dozen tokens to about 2k: the short half in `make test` where the CPU
+# computes bfloat16 natively, the long half (each about 10 s per side on a CPU without bfloat16
+# instructions) in the slow tier.
 SHORT = [(200, "assert"), (600, "pass"), (1200, "while"), (2000, "import")]
 LONG = [(3500, "typesmapping"), (5000, "assignment"), (7000, "debugger"), (8200, "formatstrings")]
 
 
-@pytest.mark.parametrize("chars, topic", SHORT, ids=[f"{t}-{c}" for c, t in SHORT])
+@pytest.mark.parametrize(
+    "chars, topic", [pytest.param(c, t, id=f"{t}-{c}", marks=SLOW_WITHOUT_NATIVE_BFLOAT16) for c, t in SHORT]
+)
 def test_smollm2_in_bfloat16_equals_transformers(load, chars, topic):
     loaded = load("SmolLM2-135M-Instruct", "bfloat16")
     compare_with_transformers(loaded, _smollm2_prompt(loaded, chars, topic))

@@ -2,8 +2,9 @@
 transformers with pruning off, in float32 and bfloat16, on prompts longer than its window; and
 its pruned runs keep each token-layer computed at most once.
 
-Real prose from CPython's docs, no template (a base model). Two prompts per dtype in `make test`,
-six more up to 2k tokens in the slow tier.
+Real prose from CPython's docs, no template (a base model). Two prompts per dtype in `make test`
+(bfloat16's in the slow tier on a CPU without bfloat16 instructions), six more up to 2k tokens in
+the slow tier.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from shared.engine import PruneConfig, decode_step, prefill
+from tests.conftest import SLOW_WITHOUT_NATIVE_BFLOAT16
 from tests.helpers import compare_with_transformers
 
 MODEL = "gemma-3-270m"
@@ -36,7 +38,7 @@ def _prompt(loaded, tokens: int, topic: str) -> torch.Tensor:
     return torch.tensor(ids)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=SLOW_WITHOUT_NATIVE_BFLOAT16)])
 @pytest.mark.parametrize("tokens, topic", SHORT, ids=[f"{t}-{n}" for n, t in SHORT])
 def test_gemma3_equals_transformers(load, dtype, tokens, topic):
     loaded = load(MODEL, dtype)
