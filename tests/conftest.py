@@ -54,10 +54,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _torch_threads():
-    """A benchmark's main() run in process sets torch's threads for this thread: put them back."""
+    """A benchmark's main() run in process sets torch's threads on its compute thread, and with
+    them the count every thread started later takes: put it back. Otherwise a later test's
+    server thread and the test's own thread would compute with different counts, and where the
+    BLAS sums a row otherwise at another count (an AVX2 host's MKL), a bit-for-bit test fails."""
     yield
-    if torch.get_num_threads() != THREADS:
-        torch.set_num_threads(THREADS)
+    torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(scope="session")
