@@ -15,7 +15,7 @@ PYTEST := $(BIN)/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist lo
 
 setup: $(STAMP) models
 
-# The bundled GGUF models converted once into the cache (30 to 80 s each the first time; a no-op
+# The bundled GGUF models converted once into the cache (15 to 80 s each the first time; a no-op
 # after), so that neither the first `make run` nor the first test pays it.
 models: $(STAMP)
 	$(BIN)/lazyserve models
