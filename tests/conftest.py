@@ -24,6 +24,9 @@ torch.set_num_threads(THREADS)
 # and the tests compare workers with the float32 engine. Tests of bfloat16 ask for it by name;
 # tests of auto inject the CPU's flags (tests/unit/shared/test_precision.py).
 os.environ["LAZYSERVE_DTYPE"] = "float32"
+# A Ray head waits 30 s for its GCS to publish its port; on two cores busy with the other worker's
+# tests (and a fresh clone's cold files) that was not always enough. The processes tests start inherit it.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 ALL_MODELS = (*TINY_MODELS, "SmolLM2-135M-Instruct")
 
@@ -45,11 +48,12 @@ def pytest_addoption(parser):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup` a group runs on one worker. A module is a group, so its
-    module-scoped servers start once; every test that uses the local Ray is one group, so one
-    worker starts Ray."""
+    module-scoped servers start once; every test that uses the local Ray or starts a Ray head of
+    its own (`starts_ray`) is one group, so that no two Ray heads start at once: two starting
+    together on two loaded cores made a GCS miss Ray's 30 s start window."""
     for item in items:
-        group = "local-ray" if "local_ray" in item.fixturenames else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+        ray = "local_ray" in item.fixturenames or item.get_closest_marker("starts_ray")
+        item.add_marker(pytest.mark.xdist_group("ray" if ray else item.module.__name__))
 
 
 @pytest.fixture(autouse=True)

@@ -97,6 +97,7 @@ async def _received(client: httpx.AsyncClient, url: str) -> float:
     return float(re.search(r"^lazyserve_requests_received_total (\S+)$", metrics, re.M).group(1))
 
 
+@pytest.mark.starts_ray
 @pytest.mark.slow
 def test_bursts_through_up_are_served_in_full_and_leave_nothing_behind():
     port, decode_port, prefill_port = free_port(), free_port(), free_port()

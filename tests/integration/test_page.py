@@ -366,6 +366,7 @@ def test_with_keys_on_the_page_asks_for_one_and_keeps_it_in_the_tab(browser, sta
     page.context.close()
 
 
+@pytest.mark.starts_ray
 @pytest.mark.slow
 def test_the_page_works_against_make_run(browser):
     """`make run` is `lazyserve up` with its defaults (SmolLM2, the default preset, the prefill actor

@@ -191,6 +191,7 @@ def _url(client) -> str:
     return f"redis://{kwargs['host']}:{kwargs['port']}/{kwargs.get('db', 0)}"
 
 
+@pytest.mark.starts_ray
 def test_through_up_a_repeated_document_and_a_second_turn_are_cached(tiny_llama):
     """`lazyserve up` as a user runs it (its own processes, the prefill actor on a local Ray), the
     `openai` SDK as the client: chat requests, so the chat template and the tokenizer take part."""

@@ -18,6 +18,7 @@ import pytest
 from conftest import free_port, kill_sessions, start_process, wait_for
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+pytestmark = pytest.mark.starts_ray
 
 
 @pytest.fixture

@@ -137,6 +137,7 @@ def _children(pid: int) -> set[int]:
     return {int(line) for line in out.split()}
 
 
+@pytest.mark.starts_ray
 @pytest.mark.slow  # the whole stack under `lazyserve up`: `make test-slow` and CI run it
 def test_lazyserve_up_serves_traces_every_process_and_leaves_nothing(spans, receiver, tiny_llama):
     # spans: the SDK provider, so that the client root span below is real and has a trace id.

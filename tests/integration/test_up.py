@@ -25,6 +25,7 @@ def _cmdline(pid: int) -> str:
         return f.read().replace("\0", " ")
 
 
+@pytest.mark.starts_ray
 @pytest.mark.slow
 def test_up_restarts_a_dead_worker_and_its_children_die_with_it():
     port, decode_port, prefill_port = free_port(), free_port(), free_port()
