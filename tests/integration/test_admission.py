@@ -150,7 +150,11 @@ def test_a_worker_fuller_than_the_gateway_counts_is_waited_for_not_an_error(tiny
     decode, _ = decode_worker(tiny_llama, max_sequences=1)
     first, second = gateway(decode_workers=[decode.address]), gateway(decode_workers=[decode.address])
     stream = first.openai().completions.create(
-        model="tiny-llama", prompt=random_ids(tiny_llama, 20), max_tokens=1500, stream=True
+        model="tiny-llama",
+        prompt=random_ids(tiny_llama, 20),
+        max_tokens=1500,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     next(iter(stream))
     replies: list = []

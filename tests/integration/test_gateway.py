@@ -174,7 +174,11 @@ def test_a_burst_waits_and_a_full_queue_is_429(tiny_llama, decode_worker, gatewa
     running = gateway(decode_workers=[decode.address], max_queued=1)
     client = running.openai()
     stream = client.completions.create(
-        model="tiny-llama", prompt=random_ids(tiny_llama, 20), max_tokens=1500, stream=True
+        model="tiny-llama",
+        prompt=random_ids(tiny_llama, 20),
+        max_tokens=1500,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     next(iter(stream))  # one request in progress
     queued: list = []
@@ -426,7 +430,11 @@ def test_a_client_at_its_bound_waits_instead_of_being_refused(tiny_llama, decode
     running = gateway(decode_workers=[decode.address], max_streams_per_key=1)
     client = running.openai()
     stream = client.completions.create(
-        model="tiny-llama", prompt=random_ids(tiny_llama, 20), max_tokens=1500, stream=True
+        model="tiny-llama",
+        prompt=random_ids(tiny_llama, 20),
+        max_tokens=1500,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     next(iter(stream))
     # Keys are off: the bound is per client address, whatever token a client sends.

@@ -58,7 +58,7 @@ def test_router_replicas_share_load(tiny_llama, decode_worker, gateway, register
     ids = random_ids(tiny_llama, 30)
     # A long generation through replica A occupies one decode worker...
     stream = replica_a.openai().completions.with_raw_response.create(
-        model="tiny-llama", prompt=ids, max_tokens=1500, stream=True
+        model="tiny-llama", prompt=ids, max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
     )
     busy = stream.headers["x-lazyserve-decode"]
     chunks = iter(stream.parse())
@@ -119,7 +119,7 @@ def test_a_keys_stream_limit_holds_across_gateway_replicas(
     replica_a = gateway(redis_url=redis_url, api_keys="key-a,key-b", max_streams_per_key=1)
     replica_b = gateway(redis_url=redis_url, api_keys="key-a,key-b", max_streams_per_key=1)
     stream = replica_a.openai(api_key="key-a").completions.create(
-        model="tiny-llama", prompt=[1, 2, 3], max_tokens=1500, stream=True
+        model="tiny-llama", prompt=[1, 2, 3], max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
     )
     next(iter(stream))
     # Key A's one slot is taken on replica A: on replica B its next request waits, and key B is served.

@@ -74,7 +74,7 @@ def test_concurrent_streams_per_key_are_limited(tiny_llama, decode_worker, gatew
     decode, _ = decode_worker(tiny_llama)
     running = gateway(decode_workers=[decode.address], api_keys="key-a,key-b", max_streams_per_key=1)
     stream = running.openai(api_key="key-a").completions.create(
-        model="tiny-llama", prompt=[1, 2, 3], max_tokens=1500, stream=True
+        model="tiny-llama", prompt=[1, 2, 3], max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
     )
     next(iter(stream))
     # Key A is at its bound: its next request waits (not refused) while key B is served.
