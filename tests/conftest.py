@@ -50,9 +50,11 @@ def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup` a group runs on one worker. A module is a group, so its
     module-scoped servers start once; every test that uses the local Ray or starts a Ray head of
     its own (`starts_ray`) is one group, so that no two Ray heads start at once: two starting
-    together on two loaded cores made a GCS miss Ray's 30 s start window."""
+    together on two loaded cores made a GCS miss Ray's 30 s start window. A test that asserts on
+    latencies (`latency`) joins that group, so that no Ray head starts beside it."""
     for item in items:
-        ray = "local_ray" in item.fixturenames or item.get_closest_marker("starts_ray")
+        marked = item.get_closest_marker("starts_ray") or item.get_closest_marker("latency")
+        ray = "local_ray" in item.fixturenames or marked
         item.add_marker(pytest.mark.xdist_group("ray" if ray else item.module.__name__))
 
 
