@@ -24,9 +24,6 @@ torch.set_num_threads(THREADS)
 # and the tests compare workers with the float32 engine. Tests of bfloat16 ask for it by name;
 # tests of auto inject the CPU's flags (tests/unit/shared/test_precision.py).
 os.environ["LAZYSERVE_DTYPE"] = "float32"
-# A Ray head waits 30 s for its GCS to publish its port; on two cores busy with the other worker's
-# tests (and a fresh clone's cold files) that was not always enough. The processes tests start inherit it.
-os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 ALL_MODELS = (*TINY_MODELS, "SmolLM2-135M-Instruct")
 

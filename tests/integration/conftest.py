@@ -65,7 +65,12 @@ def local_ray():
 
     from services.prefill.actor import ensure_ray
 
-    ensure_ray(num_cpus=4, log_to_driver=False)
+    # A Ray head waits 30 s for its GCS to publish its port, which two cores busy with the other
+    # xdist worker's tests did not always give it: 120 s, for this start only (a driver reads the
+    # same variable as its count of connection retries: test_ray_cluster's refused drivers).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_gcs_server_port_wait_time_s", "120")
+        ensure_ray(num_cpus=4, log_to_driver=False)
     yield ray
     ray.shutdown()
 
