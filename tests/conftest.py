@@ -13,8 +13,8 @@ from shared.models.weights import load_model
 from shared.settings import available_cores
 
 # `make test` runs the suite on two pytest-xdist workers (the Makefile's TEST_WORKERS): each takes
-# its share of the cores for torch, so that two workers' OpenMP teams do not fight over the same cores (a team
-# whose thread is descheduled waits at every barrier: several times slower, not two).
+# its share of the cores for torch, so that two workers' OpenMP teams do not fight over the same
+# cores (a team whose thread is descheduled waits at every barrier: several times slower, not two).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 THREADS = max(1, available_cores() // WORKERS)
 torch.set_num_threads(THREADS)
