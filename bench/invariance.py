@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = runs_per_dtype(args, bench_dtype)
     for run in runs:
-        print(f"\n{run['model']}, {run['dtype']}")
+        print(f"\n{run['model']}, {run['label']}")
         print(
             markdown_table(
                 ["figure", "off", "on", "cost (on vs off)"],

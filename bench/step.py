@@ -30,15 +30,18 @@ from bench.common import (
     markdown_table,
     pruning_configs,
     read_bandwidth,
+    select_kernels,
     step_bytes,
     write_report,
 )
+from shared import kernels
 
 # (module attribute, phase): what shared/engine/decode.py calls, by the name it calls it.
 PHASES = [
     ("project_qkv", "norm + q/k/v + RoPE"),
     ("attend", "attention"),
     ("attend_slots", "attention"),
+    ("attend_live", "attention"),
     ("finish", "o_proj + MLP"),
     ("logits_of", "final norm + lm_head"),
     ("window_scores", "selection: window scores"),
@@ -216,7 +219,7 @@ def report(run: dict) -> str:
     rows.append(["revived token-layers"] + [f"{r['revived_token_layers_per_step']:.0f}" for r in profiles])
     rows.append(["keys at the last layer"] + [f"{r['keys_last_layer_per_sequence']:.0f}" for r in profiles])
     bandwidth = f"read bandwidth {run['read_bandwidth_gb_s']:.1f} GB/s"
-    return f"{run['dtype']}, {run['model']}, {bandwidth}\n" + markdown_table(header, rows)
+    return f"{run['dtype']}, {run['model']}, {run['kernels']} kernels, {bandwidth}\n" + markdown_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    runs = [bench_dtype(args, dtype) for dtype in args.dtypes]
+    runs = []
+    before = kernels.status().path
+    try:
+        for name in args.kernels:
+            path = select_kernels(name)
+            runs += [bench_dtype(args, dtype) | {"kernels": path} for dtype in args.dtypes]
+    finally:
+        kernels.select(before)
     for run in runs:
         print("\n" + report(run))
     return write_report(args.out, {"prompt_tokens": args.prompt, "threads": args.threads, "runs": runs})

@@ -51,6 +51,11 @@ class EngineSettings(BaseSettings):
         "VLLM_BATCH_INVARIANT, SGLang's deterministic inference); off by default for what the tiles cost, "
         "most of all one sequence's decode (docs/results.md)",
     )
+    kernels: Literal["native", "torch"] = Field(
+        "native",
+        description="the decode step's kernels: native (built by make setup; made for few rows, batch-invariant "
+        "by construction) where built, else torch's; torch runs torch's on purpose (shared/kernels)",
+    )
     # 2 GiB per worker: `up` runs two (prefill and decode), so 4 GiB of a 24 GiB host, next to
     # two copies of the weights and the running sequences. At SmolLM2's default preset (19 of 30
     # layers held, float32) a token takes 31.5 KiB: about 68k tokens, twenty 3k-token documents.

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from shared import kernels
 from shared.models.catalog import TINY_MODELS
 from shared.models.precision import CpuFeatures
 from shared.models.weights import load_model
@@ -26,6 +27,11 @@ torch.set_num_threads(THREADS)
 os.environ["LAZYSERVE_DTYPE"] = "float32"
 
 ALL_MODELS = (*TINY_MODELS, "SmolLM2-135M-Instruct")
+
+# The decode step's kernels (shared/kernels): native where `make setup` built them, as a worker
+# runs by default; LAZYSERVE_KERNELS=torch runs the suite on torch's, the reference and the
+# fallback (the workers tests start read the same variable as their --kernels setting).
+kernels.select(os.environ.get("LAZYSERVE_KERNELS", "native"))
 
 # A CPU without AMX or AVX512-BF16 converts every bfloat16 operand to float32 and back, about 4x
 # slower than float32: there the real models' bfloat16 equalities run in the slow tier (this

@@ -257,6 +257,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             device=str(self.model.device),
             torch_threads=self.torch_threads,
             batch_invariant=self.model.batch_invariant,
+            kernels=self.model.kernels,
             **self._prefix_status(),
         )
 

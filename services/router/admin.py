@@ -129,6 +129,8 @@ async def _workers_view(gateway: Gateway) -> list[dict]:
                 "load_unit": "tokens to generate" if decode else "predicted prefill token-layers",
                 # Calls of fixed shapes (--batch-invariant); None for prefill workers, not asked.
                 "batch_invariant": said.get("batch_invariant"),
+                # The decode step's kernels ("native (avx512)", "torch (why)"); None for prefill workers.
+                "kernels": said.get("kernels"),
                 "healthy": "error" not in said if w.address in answered else None,
                 # Decode workers: sequences the gateways placed there, of what it generates at once.
                 "sequences": sequences.get(w.worker_id, 0.0) if decode else None,

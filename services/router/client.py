@@ -86,7 +86,7 @@ class Channels:
 
 async def decode_status(channels: Channels, worker: WorkerInfo, timeout: float = 2.0) -> dict:
     """What a decode worker reports of itself (model, dtype, device, threads, batch invariance,
-    load); an error entry if it does not answer in time."""
+    kernels, load); an error entry if it does not answer in time."""
     stub = pb_grpc.DecodeServiceStub(channels.get(worker.address))
     entry = {"role": worker.role, "address": worker.address, "model": worker.model}
     try:
@@ -98,6 +98,7 @@ async def decode_status(channels: Channels, worker: WorkerInfo, timeout: float =
         "device": status.device,
         "torch_threads": status.torch_threads,
         "batch_invariant": status.batch_invariant,
+        "kernels": status.kernels,
         "sequences_active": status.sequences_active,
         "max_sequences": status.max_sequences,
         "bytes_held": status.bytes_held,

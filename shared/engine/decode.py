@@ -38,10 +38,12 @@ from collections.abc import Sequence
 
 import torch
 
+from shared import kernels
 from shared.compute import require_compute_thread
 from shared.engine.cache import LazyCache, QueryWindow
 from shared.engine.layer import (
     attend,
+    attend_live,
     attend_slots,
     causal_mask,
     finish,
@@ -98,6 +100,10 @@ class _SequenceStep:
         """Attend over the live keys (written already). Returns [1, H, rows or 1, D]."""
         kv = self.cache.layers[index]
         self.q = q
+        if kernels.native() and self.model.spec.window_at(index) is None:
+            if last or self.rows.shape[0] == 1:
+                return self._attend_native(index, q[:, :, -1:], self.rows[-1:])
+            return self._attend_native(index, q, self.rows)
         key_live = self.live_keys(index)
         if last or self.rows.shape[0] == 1:
             k, v, live = kv.k, kv.v, key_live
@@ -115,8 +121,19 @@ class _SequenceStep:
         """Rows q [1, H, m, D] at the first m of self.rows, causally, by original position, over
         the live keys in the window (revived rows). Returns [1, H, m, D]."""
         kv, rows = self.cache.layers[index], self.rows[: q.shape[2]]
+        if kernels.native() and self.model.spec.window_at(index) is None:
+            return self._attend_native(index, q, rows)
         mask = mask_and(causal_mask(rows, kv.positions), window_mask(self.model, index, rows, kv.positions))
         return attend(self.model, q, kv.k, kv.v, mask=mask if key_live is None else mask & key_live[None])
+
+    def _attend_native(self, index: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rows q [1, H, m, D] at positions `rows` [m] over this layer's keys they see (causal, in
+        the live set), read by the native kernel: only those keys. Returns [1, H, m, D]."""
+        kv, device = self.cache.layers[index], q.device
+        sizes = torch.tensor([kv.size], device=device)
+        row_slot = torch.zeros(rows.shape[0], dtype=torch.long, device=device)
+        live = None if self.live is None else self.live[None]
+        return attend_live(self.model, q, kv.k, kv.v, kv.positions[None], sizes, row_slot, rows, live)
 
     def reselect(self, index: int) -> bool:
         """After layer `index`: pick the live set, stash the rows that stop here, revive the ones
@@ -321,6 +338,21 @@ class _SlotStep:
     def _attend_new(self, index: int, q: torch.Tensor) -> torch.Tensor:
         """Each sequence's new token q [n, H, 1, D] (slot order) over its live keys: [1, H, n, D]."""
         sizes = [self.seqs[i].cache.layers[index].size for i in self.order]
+        if kernels.native():  # the kernel reads each slot's live keys and nothing past its size
+            k, v, positions = self.slots.store(index, self.span)
+            held = torch.tensor(sizes, device=q.device)
+            row_slot = torch.arange(len(sizes), device=q.device)
+            return attend_live(
+                self.model,
+                q.squeeze(2).transpose(0, 1).unsqueeze(0),
+                k,
+                v,
+                positions,
+                held,
+                row_slot,
+                self.new_positions,
+                self.live_table,
+            )
         width = max(sizes)
         k, v, positions = self.slots.store(index, self.span)
         k, v, positions = k[:, :, :width], v[:, :, :width], positions[:, :width]
@@ -383,18 +415,28 @@ def decode_batch(
     if len({id(cache) for cache, _, _ in batch}) != len(batch):
         raise ValueError("a cache appears twice in one batch")
     seqs = [_SequenceStep(model, cache, config) for cache, _, config in batch]
-    # Batch invariance keeps one call per sequence: a slot call's shape depends on the batch.
-    together = _SlotStep(model, slots, seqs) if slots is not None and model.decode_tile is None else None
+    # Batch invariance: the native kernels compute a row alike in any call, so the step runs as
+    # without it; on torch's, each row-wise call is a fixed tile and each sequence attends in a
+    # call of its own (a slot call's shape depends on the batch).
+    native_rows = model.batch_invariant and kernels.native()
+    tile = None if native_rows else model.decode_tile
+    together = _SlotStep(model, slots, seqs) if slots is not None and tile is None else None
     tokens = torch.tensor([token for _, token, _ in batch], device=model.device)
     h = model.embed_tokens(tokens)  # [batch, hidden]: one row per sequence to start with
     for seq, rows in zip(seqs, h.split(1)):
         seq.h = rows
+    with kernels.invariant_rows(native_rows):
+        return _layers(model, seqs, together, tile)
+
+
+def _layers(model: EngineModel, seqs: list[_SequenceStep], together: _SlotStep | None, tile: int | None):
+    """decode_batch's pass over the layers: the logits [len(seqs), vocab]."""
     last_layer = model.spec.num_layers - 1
     for index in range(model.spec.num_layers):
         sizes = [seq.rows.shape[0] for seq in seqs]
         h = torch.cat([seq.h for seq in seqs]) if len(seqs) > 1 else seqs[0].h
         rows = torch.cat([seq.rows for seq in seqs]) if len(seqs) > 1 else seqs[0].rows
-        q, k, v = project_qkv(model, index, h, rows, model.decode_tile)
+        q, k, v = project_qkv(model, index, h, rows, tile)
         last = index == last_layer
         if together is not None and model.spec.window_at(index) is None:
             out = together.attend(index, q, k, v, sizes, last)
@@ -405,8 +447,8 @@ def decode_batch(
             tails = torch.cat([seq.h[-1:] for seq in seqs]) if len(seqs) > 1 else seqs[0].h[-1:]
             if together is not None:
                 together.finish()
-            return logits_of(model, finish(model, index, tails, out, model.decode_tile), model.decode_tile)
-        h = finish(model, index, h, out, model.decode_tile)
+            return logits_of(model, finish(model, index, tails, out, tile), tile)
+        h = finish(model, index, h, out, tile)
         stage = False
         for seq, rows_h in zip(seqs, h.split(sizes)):
             seq.h = rows_h

@@ -110,6 +110,24 @@ def check_decode_tile(calls: dict[str, tuple[Callable[..., Rows], tuple[torch.Te
                     )
 
 
+@torch.inference_mode()
+def check_row_counts(calls: dict[str, tuple[Callable[..., Rows], tuple[torch.Tensor, ...]]]) -> None:
+    """What decode needs where the native row kernels run every product (kernels.invariant_rows):
+    a row's outputs do not depend on how many rows share its call. The products hold it by
+    construction; this checks the whole row steps (norms, activations, residuals are torch's)
+    on the model's own weights: the first m rows of a call equal a call of those m rows alone."""
+    for name, (fn, xs) in calls.items():
+        reference = _as_tuple(fn(*xs))
+        for m in range(1, DECODE_TILE):
+            for want, got in zip(reference, _as_tuple(fn(*(x[:m] for x in xs)))):
+                if not torch.equal(want[:m], got):
+                    raise RuntimeError(
+                        f"batch invariance cannot hold on this host: its {name} computes a row of a "
+                        f"{m}-row call otherwise than in a {DECODE_TILE}-row call (torch {torch.__version__}, "
+                        f"{xs[0].dtype}); run without --batch-invariant"
+                    )
+
+
 def random_rows(width: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     """[DECODE_TILE, width] with magnitudes over 2^-6..2^6: where a float32 product sums in another
     order, its outputs show it."""

@@ -15,6 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from shared import kernels
 from shared.engine.invariant import KEY_BLOCK, QUERY_TILE, tiled
 from shared.engine.model import EngineModel
 from shared.engine.rows import finish_rows, logit_rows, qkv_rows
@@ -113,6 +114,25 @@ def attend_slots(
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=model.scaling)
         return out.reshape(n, spec.num_heads, 1, spec.head_dim)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=model.scaling, enable_gqa=groups > 1)
+
+
+def attend_live(
+    model: EngineModel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    sizes: torch.Tensor,
+    row_slot: torch.Tensor,
+    limits: torch.Tensor,
+    live: torch.Tensor | None,
+) -> torch.Tensor:
+    """Decode rows q [1, H, m, D] over the keys of their slots in k, v [S, Hkv, C, D] (positions
+    [S, C], sizes [S], row_slot [m]): each row sees its slot's keys at positions up to its limit
+    [m] that its live set [S, W] keeps (None: all), and nothing else is read where the native
+    kernels run (kernels.decode_attention). Returns [1, H, m, D]."""
+    out = kernels.decode_attention(q[0].transpose(0, 1), k, v, positions, sizes, row_slot, limits, live, model.scaling)
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 def prompt_attention(

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shared import kernels
 from shared.contract.model import ModelSpec
 from shared.engine.family import FAMILIES
-from shared.engine.invariant import DECODE_TILE, PROMPT_TILE, check_decode_tile
+from shared.engine.invariant import DECODE_TILE, PROMPT_TILE, check_decode_tile, check_row_counts
 from shared.engine.rows import row_steps
 
 
@@ -61,17 +62,28 @@ class EngineModel:
         what else is computed with it (the batch, a prefix hit, the prompt's length), at the cost
         of the tiles' zero rows. Off (the default): one call of each step's rows. Turning it on
         checks that this host computes every row of a decode tile alike
-        (invariant.check_decode_tile), once per process and shape."""
+        (invariant.check_decode_tile), or, where the native kernels run decode's products, every
+        row alike whatever the rows of its call (check_row_counts), once per process and shape."""
         if on:
-            key = (self.dtype, torch.get_num_threads(), *(tuple(p.shape) for p in self.hf.parameters()))
+            native = kernels.native()
+            key = (native, self.dtype, torch.get_num_threads(), *(tuple(p.shape) for p in self.hf.parameters()))
             if key not in _checked:
-                check_decode_tile(row_steps(self))
+                if native:  # decode runs its rows in one call, through the row kernels (decode.py)
+                    with kernels.invariant_rows():
+                        check_row_counts(row_steps(self))
+                else:
+                    check_decode_tile(row_steps(self))
                 _checked.add(key)
         self.prompt_tile, self.decode_tile = (PROMPT_TILE, DECODE_TILE) if on else (None, None)
 
     @property
     def batch_invariant(self) -> bool:
         return self.decode_tile is not None
+
+    @property
+    def kernels(self) -> str:
+        """Which kernels its decode step runs, and why: "native (avx512)", "torch (not built ...)"."""
+        return kernels.status().describe()
 
     @property
     def dtype_name(self) -> str:

@@ -13,6 +13,19 @@ import functools
 import torch
 
 from shared.engine.invariant import cancelling_rows, random_rows
+from shared.kernels import linear
+
+
+def project(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A projection of the model's through the kernels' face (native for a decode step's few
+    rows, torch's BLAS for a prompt's): module(x), computed where it is fastest."""
+    return linear(x, module.weight, module.bias)
+
+
+def mlp_rows(mlp, x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP of every family here, down(act(gate(x)) * up(x)), as transformers' MLP
+    modules compute it, with the projections through `project`."""
+    return project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, x)) * project(mlp.up_proj, x))
 
 
 def qkv_rows(layer, qk_norm: bool, spec, h: torch.Tensor):
@@ -20,7 +33,7 @@ def qkv_rows(layer, qk_norm: bool, spec, h: torch.Tensor):
     [rows, Hkv * D], q and k normed per head where the family norms them (spec: ModelSpec)."""
     attn = layer.self_attn
     x = layer.input_layernorm(h)
-    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q, k, v = project(attn.q_proj, x), project(attn.k_proj, x), project(attn.v_proj, x)
     if qk_norm:  # over each head's D
         rows = h.shape[0]
         q = attn.q_norm(q.view(rows, spec.num_heads, spec.head_dim)).view(rows, -1)
@@ -31,18 +44,18 @@ def qkv_rows(layer, qk_norm: bool, spec, h: torch.Tensor):
 def finish_rows(layer, sandwich_norm: bool, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """Output projection, residual, the norms around the MLP, MLP, residual of one decoder layer:
     h [rows, hidden], attn_out [rows, H * D] -> [rows, hidden]."""
-    out = layer.self_attn.o_proj(attn_out)
+    out = project(layer.self_attn.o_proj, attn_out)
     if sandwich_norm:
         h = h + layer.post_attention_layernorm(out)
-        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        return h + layer.post_feedforward_layernorm(mlp_rows(layer.mlp, layer.pre_feedforward_layernorm(h)))
     h = h + out
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return h + mlp_rows(layer.mlp, layer.post_attention_layernorm(h))
 
 
 def logit_rows(model, h: torch.Tensor) -> torch.Tensor:
     """Final norm, LM head and the family's cap on the logits (model: EngineModel): [rows, hidden]
     -> [rows, vocab] in the model's dtype."""
-    logits = model.lm_head(model.norm(h))
+    logits = project(model.lm_head, model.norm(h))
     if model.final_softcap is not None:  # as the LM's forward applies it, in the model's dtype
         logits = torch.tanh(logits / model.final_softcap) * model.final_softcap
     return logits
@@ -70,5 +83,8 @@ def row_steps(model) -> dict:
     }
     linears = {name: module for name, module in first.named_modules() if isinstance(module, torch.nn.Linear)}
     for name, module in {**linears, "lm_head": model.lm_head}.items():
-        steps[name] = (module, (cancelling_rows(module.weight, generator).to(model.device),))
+        steps[name] = (
+            functools.partial(project, module),
+            (cancelling_rows(module.weight, generator).to(model.device),),
+        )
     return steps

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from shared import kernels
 from shared.compute import ComputeThread
 from shared.contract import ModelSpec
 from shared.engine.grammar import Grammars
@@ -83,12 +84,14 @@ def load_model(
 
 def load_engine(settings, compute: ComputeThread | None = None) -> LoadedModel:
     """The model an EngineSettings names, as a worker runs it: torch's threads and the allocator
-    set (apply_threads), the weights loaded, batch invariance as asked. With `compute`, all of it
-    happens on that thread, the one that will run the engine: loading enters torch's OpenMP pool,
-    and only one thread of a process may (shared.compute says why)."""
+    set (apply_threads), the kernels picked (shared.kernels), the weights loaded, batch invariance
+    as asked. With `compute`, all of it happens on that thread, the one that will run the engine:
+    loading enters torch's OpenMP pool, and only one thread of a process may (shared.compute says
+    why)."""
 
     def load() -> LoadedModel:
         settings.apply_threads()
+        kernels.select(settings.kernels)
         loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, cache_dir=settings.cache_dir)
         loaded.engine.set_batch_invariant(settings.batch_invariant)
         return loaded

@@ -321,7 +321,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("model", "transfers_receiving", "transfers_ready", "sequences_active", "bytes_held", "transfers_completed", "transfers_rejected", "transfers_expired", "revived_token_layers", "dtype", "device", "torch_threads", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_bytes_held", "prefix_evictions", "prefix_budget_bytes", "batch_invariant", "max_sequences")
+    __slots__ = ("model", "transfers_receiving", "transfers_ready", "sequences_active", "bytes_held", "transfers_completed", "transfers_rejected", "transfers_expired", "revived_token_layers", "dtype", "device", "torch_threads", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_bytes_held", "prefix_evictions", "prefix_budget_bytes", "batch_invariant", "max_sequences", "kernels")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_RECEIVING_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_READY_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +341,7 @@ class WorkerStatus(_message.Message):
     PREFIX_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     transfers_receiving: int
     transfers_ready: int
@@ -360,4 +361,5 @@ class WorkerStatus(_message.Message):
     prefix_budget_bytes: int
     batch_invariant: bool
     max_sequences: int
-    def __init__(self, model: _Optional[str] = ..., transfers_receiving: _Optional[int] = ..., transfers_ready: _Optional[int] = ..., sequences_active: _Optional[int] = ..., bytes_held: _Optional[int] = ..., transfers_completed: _Optional[int] = ..., transfers_rejected: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., revived_token_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., torch_threads: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_bytes_held: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., max_sequences: _Optional[int] = ...) -> None: ...
+    kernels: str
+    def __init__(self, model: _Optional[str] = ..., transfers_receiving: _Optional[int] = ..., transfers_ready: _Optional[int] = ..., sequences_active: _Optional[int] = ..., bytes_held: _Optional[int] = ..., transfers_completed: _Optional[int] = ..., transfers_rejected: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., revived_token_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., torch_threads: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_bytes_held: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., max_sequences: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...

@@ -34,11 +34,13 @@ def test_bench_ttft_times_both_dtypes_in_one_run_against_float32_full(tmp_path):
 def test_bench_decode_reports_each_dtype_and_their_ratio(tmp_path):
     out = tmp_path / "decode.json"
     argv = ["--model", "tiny-llama", "--prompt", "64", "--concurrency", "1", "2", "--tokens", "2", "--repeats", "1"]
-    argv += ["--presets", "off", "--dtypes", "float32", "bfloat16", "--out", str(out)]
+    argv += ["--presets", "off", "--dtypes", "float32", "bfloat16", "--kernels", "native", "--out", str(out)]
     assert bench_decode.main(argv) == 0
     report = json.loads(out.read_text())
     assert [run["dtype"] for run in report["runs"]] == ["float32", "bfloat16"]
-    assert [(a["dtype"], a["sequences"]) for a in report["across_dtypes"]] == [("bfloat16", 1), ("bfloat16", 2)]
+    label = report["runs"][1]["label"]
+    assert label.startswith("bfloat16, ")
+    assert [(a["dtype"], a["sequences"]) for a in report["across_dtypes"]] == [(label, 1), (label, 2)]
     assert all(a["batched_ratio"] > 0 for a in report["across_dtypes"])
 
 

@@ -1,0 +1,207 @@
+"""The decode step's kernels: a native library made for few rows, with torch as reference and fallback.
+
+The engine calls `linear` and `decode_attention` here; this module checks the shapes and picks
+the path, and nothing above it knows which one ran. The native library (csrc/, one file per
+kernel) is compiled once by `make setup` (build.py) and only loaded here: where it is missing,
+stale or the CPU lacks AVX2, the torch path runs and `status()` says why (the services show it in
+/status and `lazyserve --version`). `select("torch")` runs the torch path on purpose, so that a
+benchmark can put both side by side.
+
+What the native path promises: a row's outputs do not depend on the other rows of its call or on
+the thread count (each output is summed in one fixed order), so a decode step is batch-invariant
+by construction where it runs them (`invariant_rows`). Where a kernel does not beat torch's on a
+shape (bench/kernels.py measures both), `linear` leaves that shape to torch; docs/results.md has
+the figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from shared.kernels import build
+
+log = logging.getLogger(__name__)
+
+# Rows a call may have and still go to the native linear (the prompt path keeps the BLAS). At
+# one to four rows the native kernel streams the weights faster than the BLAS on every host
+# measured; at up to 16 it still wins in float32 where the weights fit in 16 MiB, and in
+# bfloat16 where the CPU has no bfloat16 products (torch's bfloat16 there is slow); the BLAS
+# wins the rest (bench kernels; docs/results.md, issue 47).
+FEW_ROWS = 4
+SOME_ROWS = 16
+SMALL_WEIGHT_BYTES = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStatus:
+    """Which path runs, and why: what /status and `lazyserve --version` show."""
+
+    path: str  # "native" or "torch"
+    built: bool  # the library is built for these sources and loaded
+    isa: str  # "avx512", "avx2", or "" where not loaded
+    reason: str  # why the torch path runs, "" where native does
+
+    def describe(self) -> str:
+        if self.path == "native":
+            return f"native ({self.isa})"
+        return f"torch ({self.reason})" if self.reason else "torch"
+
+
+_lock = threading.Lock()
+_loaded: tuple[bool, str] | None = None  # (loaded, why not)
+_path: str | None = None  # None until select(): then native where built
+_local = threading.local()  # .invariant: the current thread's decode rows must be row-invariant
+
+
+def _load() -> tuple[bool, str]:
+    """Load the built library once: (True, "") or (False, why not)."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _try_load()
+            if not _loaded[0]:
+                log.warning("native kernels not used: %s; running torch's", _loaded[1])
+        return _loaded
+
+
+def _try_load() -> tuple[bool, str]:
+    library = build.library_path()
+    if not library.exists():
+        return False, "not built (make setup builds it)"
+    stamp = build.stamp_path()
+    if not stamp.exists() or stamp.read_text().strip() != build.fingerprint():
+        return False, "built from other sources or for another torch (make setup rebuilds it)"
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as error:
+        return False, f"cannot load {library.name}: {error}"
+    if torch.ops.lazyserve.isa() == "none":
+        return False, "this CPU lacks AVX2 and FMA"
+    return True, ""
+
+
+def select(name: str) -> KernelStatus:
+    """Use the "native" kernels (where built; else torch, and status() says why) or "torch"'s.
+    For the whole process: a service calls it once at start, a benchmark around each side."""
+    global _path
+    if name not in ("native", "torch"):
+        raise ValueError(f"kernels must be native or torch, not {name!r}")
+    _path = "native" if name == "native" and _load()[0] else "torch"
+    return status()
+
+
+@contextlib.contextmanager
+def selected(name: str):
+    """select(name) within it, the path before it after."""
+    before = status().path
+    try:
+        yield select(name)
+    finally:
+        select(before)
+
+
+def status() -> KernelStatus:
+    native()  # the default where nothing selected
+    loaded, why = _load()
+    isa = torch.ops.lazyserve.isa() if loaded else ""
+    reason = "" if _path == "native" else ("--kernels torch" if loaded else why)
+    return KernelStatus(path=_path, built=loaded, isa=isa, reason=reason)
+
+
+def native() -> bool:
+    """Whether the native path runs (until select() is called: where the library is built)."""
+    if _path is None:
+        select("native")
+    return _path == "native"
+
+
+@contextlib.contextmanager
+def invariant_rows(on: bool = True):
+    """Within it, on this thread, every `linear` call goes to the native kernel whatever its
+    rows (where the native path runs), so that a row's numbers do not depend on its batch."""
+    before = getattr(_local, "invariant", False)
+    _local.invariant = on
+    try:
+        yield
+    finally:
+        _local.invariant = before
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]): [..., N], as F.linear computes it."""
+    if not (native() and _native_rows(x, weight)):
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.lazyserve.linear(rows.contiguous(), weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dtype != weight.dtype:
+        return False
+    if not weight.is_contiguous() or x.requires_grad:
+        return False
+    rows = x.numel() // x.shape[-1]
+    if getattr(_local, "invariant", False) or rows <= FEW_ROWS:
+        return True
+    if rows > SOME_ROWS:
+        return False
+    if x.dtype == torch.bfloat16:
+        return not torch.ops.lazyserve.bf16_matmul()
+    return weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    sizes: torch.Tensor,
+    row_slot: torch.Tensor,
+    limits: torch.Tensor,
+    live: torch.Tensor | None,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """Each query row over the keys of its slot that it may see: q [R, H, D]; k, v [S, Hkv, C, D]
+    (rows contiguous); positions [S, C] int64; sizes [S] (rows held per slot); row_slot [R];
+    limits [R] (a row sees the keys at positions <= its limit, and above limit - window where a
+    window is given); live [S, W] bool or None (position p of slot s is read only where p >= W or
+    live[s, p]: the selection's live set). Returns [R, H, D] in q's dtype. Native: only the
+    visible keys' rows are read; torch: masked SDPA per row, the reference."""
+    if native() and q.device.type == "cpu":
+        return torch.ops.lazyserve.decode_attention(
+            q.contiguous(), k, v, positions, sizes, row_slot, limits, live, window, scale
+        )
+    return decode_attention_reference(q, k, v, positions, sizes, row_slot, limits, live, scale, window)
+
+
+def decode_attention_reference(q, k, v, positions, sizes, row_slot, limits, live, scale, window=0) -> torch.Tensor:
+    """decode_attention with torch's SDPA, one row at a time over its slot's visible keys."""
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    out = torch.empty_like(q)
+    for r in range(rows):
+        slot = int(row_slot[r])
+        held = int(sizes[slot])
+        at = positions[slot, :held]
+        visible = at <= limits[r]
+        if window:
+            visible &= at > limits[r] - window
+        if live is not None:
+            width = live.shape[1]
+            visible &= torch.where(at < width, live[slot, at.clamp(max=width - 1)], True)
+        qg = q[r].view(kv_heads, heads // kv_heads, dim)
+        o = F.scaled_dot_product_attention(
+            qg, k[slot, :, :held], v[slot, :, :held], attn_mask=visible[None, None], scale=scale
+        )
+        out[r] = o.reshape(heads, dim)
+    return out

@@ -1,0 +1,172 @@
+"""The native kernels against the torch computation each replaces, and what the engine gets from them.
+
+Each kernel on odd shapes against its torch reference (float32 within 1e-5 relative, bfloat16
+within its rounding); a row's outputs the same bits alone and inside calls of 7 and 32 rows; the
+attention reading only live keys equal to the masked torch path; a decode step on either path
+alike; and the torch path taking over, and saying why, where the library is not built. These
+tests need the build (`make setup`): without it they fail, they do not skip, unless the suite
+runs on torch's kernels on purpose (LAZYSERVE_KERNELS=torch). test_fallback.py runs either way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared import kernels
+from shared.engine import DecodeSlots, PruneConfig, decode_batch, prefill
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32: within 1e-5 of the largest magnitude; bfloat16: within two of its rounding steps
+    there (the two sides round sums taken in another order)."""
+    scale = float(want.float().abs().max())
+    bound = 1e-5 * scale if dtype == torch.float32 else 2 * 2.0**-8 * scale
+    assert float((got.float() - want.float()).abs().max()) <= bound
+
+
+@pytest.fixture(autouse=True, scope="module")
+def native():
+    if os.environ.get("LAZYSERVE_KERNELS") == "torch":
+        pytest.skip("the suite runs on torch's kernels (LAZYSERVE_KERNELS=torch)")
+    with kernels.selected("native") as status:
+        assert status.path == "native", f"the native kernels are not running: {status.reason}"
+        yield
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"), [(1, 37, 45), (3, 64, 576), (7, 129, 33), (32, 5, 1000)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_torchs_on_odd_shapes(dtype, rows, out_features, in_features, bias):
+    generator = torch.Generator().manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
+    _close(torch.ops.lazyserve.linear(x, weight, b), F.linear(x, weight, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_is_the_same_bits_alone_and_in_calls_of_7_and_32(dtype):
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(200, 576, generator=generator).to(dtype)
+    batch = torch.randn(32, 576, generator=generator).to(dtype)
+    alone = torch.ops.lazyserve.linear(batch[5:6].contiguous(), weight, None)
+    for rows in (batch[:7], batch):
+        assert torch.equal(torch.ops.lazyserve.linear(rows.contiguous(), weight, None)[5:6], alone)
+    # And whatever the threads: outputs are split between threads, never a sum.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.lazyserve.linear(batch.contiguous(), weight, None)[5:6], alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_face_sends_few_rows_to_the_kernel_and_a_prompt_to_torch(monkeypatch):
+    calls = []
+    native_linear = torch.ops.lazyserve.linear
+
+    class Ops:
+        @staticmethod
+        def linear(*args):
+            calls.append(args[0].shape[0])
+            return native_linear(*args)
+
+    monkeypatch.setattr(torch.ops, "lazyserve", Ops)
+    weight = torch.randn(64, 576)
+    kernels.linear(torch.randn(1, 576), weight)
+    kernels.linear(torch.randn(300, 576), weight)
+    with kernels.invariant_rows():  # a decode step under --batch-invariant: every count
+        kernels.linear(torch.randn(300, 576), weight)
+    assert calls == [1, 300]
+
+
+def _attention_case(dtype, slots, kv_heads, groups, capacity, dim, seed):
+    generator = torch.Generator().manual_seed(seed)
+    k = torch.randn(slots, kv_heads, capacity, dim, generator=generator).to(dtype)
+    v = torch.randn(slots, kv_heads, capacity, dim, generator=generator).to(dtype)
+    sizes = torch.randint(1, capacity + 1, (slots,), generator=generator)
+    positions = torch.stack([torch.randperm(capacity, generator=generator) for _ in range(slots)])
+    row_slot = torch.cat([torch.arange(slots), torch.randint(0, slots, (3,), generator=generator)])
+    limits = torch.cat([torch.full((slots,), capacity), torch.randint(0, capacity, (3,), generator=generator)])
+    q = torch.randn(row_slot.shape[0], kv_heads * groups, dim, generator=generator).to(dtype)
+    live = torch.rand(slots, capacity - 3, generator=generator) < 0.3
+    return q, k, v, positions, sizes, row_slot, limits, live
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("slots", "kv_heads", "groups", "capacity", "dim"), [(3, 3, 3, 700, 64), (2, 1, 4, 300, 256), (4, 2, 5, 33, 16)]
+)
+@pytest.mark.parametrize("selection", ["all", "live", "live in a window"])
+def test_decode_attention_reads_the_live_keys_as_torchs_masked_attention(
+    dtype, slots, kv_heads, groups, capacity, dim, selection
+):
+    q, k, v, positions, sizes, row_slot, limits, live = _attention_case(
+        dtype, slots, kv_heads, groups, capacity, dim, capacity
+    )
+    live = None if selection == "all" else live
+    window = 40 if selection == "live in a window" else 0
+    args = (q, k, v, positions, sizes, row_slot, limits, live, dim**-0.5, window)
+    want = kernels.decode_attention_reference(*args)
+    _close(kernels.decode_attention(*args), want, dtype)
+
+
+def test_a_rows_attention_does_not_depend_on_the_other_rows():
+    q, k, v, positions, sizes, row_slot, limits, live = _attention_case(torch.float32, 4, 3, 3, 600, 64, 1)
+    full = torch.ops.lazyserve.decode_attention(q, k, v, positions, sizes, row_slot, limits, live, 0, 0.125)
+    for r in range(q.shape[0]):
+        one = torch.ops.lazyserve.decode_attention(
+            q[r : r + 1].contiguous(),
+            k,
+            v,
+            positions,
+            sizes,
+            row_slot[r : r + 1].contiguous(),
+            limits[r : r + 1].contiguous(),
+            live,
+            0,
+            0.125,
+        )
+        assert torch.equal(one[0], full[r])
+
+
+def test_bad_shapes_are_refused_with_a_reason():
+    with pytest.raises(RuntimeError, match=r"x \[M, K\] and weight \[N, K\]"):
+        torch.ops.lazyserve.linear(torch.randn(2, 5), torch.randn(3, 6), None)
+    q, k, v, positions, sizes, row_slot, limits, _ = _attention_case(torch.float32, 2, 1, 2, 50, 64, 2)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.lazyserve.decode_attention(q, k, v, positions, sizes, row_slot + 5, limits, None, 0, 0.125)
+
+
+@pytest.mark.parametrize(
+    "config", [PruneConfig(mode="off"), PruneConfig(stages=((1, 0.5), (3, 0.2)))], ids=["off", "pruned"]
+)
+def test_a_decode_step_on_the_native_kernels_equals_the_torch_path(tiny_llama, config):
+    """Three sequences from one DecodeSlots, pruned keys skipped by the native kernel and masked
+    by torch's, rows through the row kernels: the same logits within float32's rounding."""
+    model = tiny_llama.engine
+    results = {}
+    for path in ("native", "torch"):
+        with kernels.selected(path):
+            slots = DecodeSlots(model.spec, model.dtype, model.device)
+            batch = []
+            for i, length in enumerate((90, 200, 130)):
+                ids = torch.randint(3, model.spec.vocab_size, (length,), generator=torch.Generator().manual_seed(i))
+                cache, logits = prefill(model, ids, config, reserve=4)
+                batch.append((cache, int(logits.argmax()), config))
+            steps = []
+            for _ in range(4):
+                logits = decode_batch(model, batch, slots)
+                steps.append(logits)
+                batch = [(cache, int(row.argmax()), config) for (cache, _, _), row in zip(batch, logits)]
+            results[path] = steps
+    for native_logits, torch_logits in zip(results["native"], results["torch"]):
+        assert float((native_logits - torch_logits).abs().max()) <= 1e-4 * float(torch_logits.abs().max())
