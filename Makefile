@@ -19,7 +19,7 @@ setup: $(STAMP) kernels models
 # torch's extension builder; ninja makes a rerun a no-op. Without a compiler every path runs on
 # torch's kernels and says so (lazyserve --version, /status), so a failed build does not stop setup.
 kernels: $(STAMP)
-	$(BIN)/python -m shared.kernels.build || echo "native kernels not built: running on torch's (see above)"
+	$(BIN)/python -m shared.kernels || echo "native kernels not built: running on torch's (see above)"
 
 # The bundled GGUF models converted once into the cache (15 to 80 s each the first time; a no-op
 # after), so that neither the first `make run` nor the first test pays it.

@@ -125,8 +125,26 @@ def plugins(group: str) -> dict[str, EntryPoint]:
     return {entry.name: entry for entry in entry_points(group=group)}
 
 
+class _Version(argparse.Action):
+    """--version: the package, torch, and which kernels a decode step runs here (and why)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="show the versions and the decode kernels, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import version
+
+        import torch
+
+        from shared import kernels
+
+        print(f"lazyserve {version('lazyserve')}, torch {torch.__version__}, kernels {kernels.status().describe()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazyserve", description=__doc__)
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
 
     batch = sub.add_parser("run-batch", help="run an OpenAI Batch API JSONL file through the engine")

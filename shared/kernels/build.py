@@ -68,6 +68,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"built {path}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
