@@ -67,4 +67,3 @@ def main(argv: list[str] | None = None) -> int:
     path = build(verbose="-v" in argv)
     print(f"built {path}")
     return 0
-
