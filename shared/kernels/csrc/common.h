@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 namespace lazyserve {
@@ -15,9 +16,13 @@ namespace lazyserve {
 enum class Isa { none, avx2, avx512 };
 
 // Read once from the CPU's flags: the widest region this host runs (AVX-512 needs F, BW, VL, DQ).
+// LAZYSERVE_KERNEL_ISA=avx2 holds an AVX-512 host to the AVX2 region (its tests run there too).
 inline Isa host_isa() {
   static const Isa isa = [] {
     __builtin_cpu_init();
+    const char* asked = std::getenv("LAZYSERVE_KERNEL_ISA");
+    if (asked && std::string(asked) == "avx2" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      return Isa::avx2;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
       return Isa::avx512;
