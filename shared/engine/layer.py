@@ -21,13 +21,6 @@ from shared.engine.model import EngineModel
 from shared.engine.rows import finish_rows, logit_rows, qkv_rows
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Same expression as transformers' apply_rotary_pos_emb, so results match to the bit.
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)
-
-
 def project_qkv(
     model: EngineModel, index: int, h: torch.Tensor, positions: torch.Tensor, tile: int | None = None, offset: int = 0
 ):
@@ -36,12 +29,11 @@ def project_qkv(
     spec = model.spec
     m = h.shape[0]
     q, k, v = tiled(functools.partial(qkv_rows, model.layers[index], model.family.qk_norm, spec), tile, offset, h)
-    q, k = q.view(1, m, spec.num_heads, spec.head_dim), k.view(1, m, spec.num_kv_heads, spec.head_dim)
-    v = v.view(1, m, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    cos_table, sin_table = model.rope[index]
-    cos, sin = cos_table[positions], sin_table[positions]  # [m, D], broadcast over heads
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+    cos, sin = model.rope[index]
+    q = kernels.rope(q.view(m, spec.num_heads, spec.head_dim), positions, cos, sin)
+    k = kernels.rope(k.view(m, spec.num_kv_heads, spec.head_dim), positions, cos, sin)
+    v = v.view(m, spec.num_kv_heads, spec.head_dim)
+    return q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
 
 def window_mask(model: EngineModel, index: int, q_positions: torch.Tensor, k_positions: torch.Tensor):

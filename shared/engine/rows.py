@@ -13,7 +13,7 @@ import functools
 import torch
 
 from shared.engine.invariant import cancelling_rows, random_rows
-from shared.kernels import linear
+from shared.kernels import linear, rms_norm, silu_mul
 
 
 def project(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -22,17 +22,31 @@ def project(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
 
 
+def norm(module, h: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An RMSNorm module of the model's on h (+ residual) through the kernels' face: (normed, the
+    sum). Gemma's norms scale by (1 + weight) in float32 (and name their epsilon `eps`)."""
+    unit_offset = hasattr(module, "eps")  # Gemma3RMSNorm; Llama's, Qwen's, Mistral's: variance_epsilon
+    eps = module.eps if unit_offset else module.variance_epsilon
+    return rms_norm(h, module.weight, eps, unit_offset, module, residual)
+
+
 def mlp_rows(mlp, x: torch.Tensor) -> torch.Tensor:
     """The gated MLP of every family here, down(act(gate(x)) * up(x)), as transformers' MLP
-    modules compute it, with the projections through `project`."""
-    return project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, x)) * project(mlp.up_proj, x))
+    modules compute it, with the projections through `project` (and SiLU x up fused where the
+    activation is SiLU)."""
+    gate, up = project(mlp.gate_proj, x), project(mlp.up_proj, x)
+    hidden = silu_mul(gate, up) if type(mlp.act_fn).__name__ in SILU else mlp.act_fn(gate) * up
+    return project(mlp.down_proj, hidden)
+
+
+SILU = ("SiLUActivation", "SiLU")  # transformers' ACT2FN["silu"] (a SiLU of its own), torch's
 
 
 def qkv_rows(layer, qk_norm: bool, spec, h: torch.Tensor):
     """Norm and q/k/v projections of one decoder layer: h [rows, hidden] -> q [rows, H * D], k and v
     [rows, Hkv * D], q and k normed per head where the family norms them (spec: ModelSpec)."""
     attn = layer.self_attn
-    x = layer.input_layernorm(h)
+    x, _ = norm(layer.input_layernorm, h)
     q, k, v = project(attn.q_proj, x), project(attn.k_proj, x), project(attn.v_proj, x)
     if qk_norm:  # over each head's D
         rows = h.shape[0]
@@ -46,16 +60,21 @@ def finish_rows(layer, sandwich_norm: bool, h: torch.Tensor, attn_out: torch.Ten
     h [rows, hidden], attn_out [rows, H * D] -> [rows, hidden]."""
     out = project(layer.self_attn.o_proj, attn_out)
     if sandwich_norm:
-        h = h + layer.post_attention_layernorm(out)
-        return h + layer.post_feedforward_layernorm(mlp_rows(layer.mlp, layer.pre_feedforward_layernorm(h)))
-    h = h + out
-    return h + mlp_rows(layer.mlp, layer.post_attention_layernorm(h))
+        h = h + norm(layer.post_attention_layernorm, out)[0]
+        return (
+            h
+            + norm(layer.post_feedforward_layernorm, mlp_rows(layer.mlp, norm(layer.pre_feedforward_layernorm, h)[0]))[
+                0
+            ]
+        )
+    x, h = norm(layer.post_attention_layernorm, h, out)  # h + out, and its norm, in one pass
+    return h + mlp_rows(layer.mlp, x)
 
 
 def logit_rows(model, h: torch.Tensor) -> torch.Tensor:
     """Final norm, LM head and the family's cap on the logits (model: EngineModel): [rows, hidden]
     -> [rows, vocab] in the model's dtype."""
-    logits = project(model.lm_head, model.norm(h))
+    logits = project(model.lm_head, norm(model.norm, h)[0])
     if model.final_softcap is not None:  # as the LM's forward applies it, in the model's dtype
         logits = torch.tanh(logits / model.final_softcap) * model.final_softcap
     return logits

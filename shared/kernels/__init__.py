@@ -159,6 +159,46 @@ def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES
 
 
+def _row_work(x: torch.Tensor) -> bool:
+    """Whether a row-wise op on x [rows, ...] goes native: a decode step's few rows (or any, within
+    invariant_rows), float32 or bfloat16, on the CPU. A prompt's rows stay on torch's ops."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.requires_grad:
+        return False
+    return x.shape[0] <= SOME_ROWS or getattr(_local, "invariant", False)
+
+
+def rms_norm(x, weight, eps: float, unit_offset: bool, reference, residual=None):
+    """The norm of x (+ residual) [rows, H] and that sum: (normed, x + residual or x).
+    unit_offset: Gemma's form, h / rms x (1 + weight) rounded once; else Llama's, (h / rms)
+    rounded, times the weight. reference: the model's own norm module, the torch path."""
+    if native() and _row_work(x):
+        x = x.contiguous()
+        residual = None if residual is None else residual.contiguous()
+        normed, summed = torch.ops.lazyserve.rms_norm(x, residual, weight, eps, unit_offset)
+        return normed, (x if residual is None else summed)
+    h = x if residual is None else x + residual
+    return reference(h), h
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, as transformers' gated MLP computes it."""
+    if native() and _row_work(gate):
+        return torch.ops.lazyserve.silu_mul(gate.contiguous(), up.contiguous())
+    return F.silu(gate) * up
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x [rows, heads, D] at positions [rows] from the tables cos, sin [P, D]: x * cos +
+    rotate_half(x) * sin, as transformers' apply_rotary_pos_emb computes it (native: the same
+    roundings, so the same bits)."""
+    if native() and _row_work(x) and x.shape[-1] % 32 == 0:
+        return torch.ops.lazyserve.rope(x.contiguous(), positions, cos, sin)
+    c, s = cos[positions][:, None], sin[positions][:, None]  # [rows, 1, D]: broadcast over heads
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * c) + (rotated * s)
+
+
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -43,6 +43,7 @@ struct VF {
   static VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a.v, b.v, c.v); }  // a * b + c
   static VF max(VF a, VF b) { return _mm512_max_ps(a.v, b.v); }
   static VF min(VF a, VF b) { return _mm512_min_ps(a.v, b.v); }
+  static VF div(VF a, VF b) { return _mm512_div_ps(a.v, b.v); }
   // Sum of the lanes, halves folded in a fixed order: 16 -> 8 -> 4 -> 2 -> 1.
   float sum() const {
     __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -110,6 +111,7 @@ struct VF {
   static VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a.v, b.v, c.v); }
   static VF max(VF a, VF b) { return _mm256_max_ps(a.v, b.v); }
   static VF min(VF a, VF b) { return _mm256_min_ps(a.v, b.v); }
+  static VF div(VF a, VF b) { return _mm256_div_ps(a.v, b.v); }
   float sum() const {  // 8 -> 4 -> 2 -> 1
     __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     b = _mm_add_ps(b, _mm_movehl_ps(b, b));
@@ -151,4 +153,21 @@ static inline VF vexp(VF x) {
   VF out = p * VF::pow2(n);
   // lanes below the range: exactly 0 (their weight in a softmax is below float32's smallest normal)
   return VF::keep_ge(out, x, lo);
+}
+
+// v rounded to bfloat16's precision (nearest even) and widened back: what storing it as
+// bfloat16 and loading it again gives, so a fused kernel rounds where torch's separate ops do.
+static inline VF round_bf16(VF v) {
+  alignas(64) uint16_t tmp[VF::W];
+  v.store(tmp);
+  return VF::load(tmp);
+}
+
+// A value as the storage type T holds it: float32 as is, bfloat16 rounded.
+template <class T>
+static inline VF as_stored(VF v) {
+  if constexpr (sizeof(T) == 2)
+    return round_bf16(v);
+  else
+    return v;
 }

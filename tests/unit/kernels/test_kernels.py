@@ -170,3 +170,40 @@ def test_a_decode_step_on_the_native_kernels_equals_the_torch_path(tiny_llama, c
             results[path] = steps
     for native_logits, torch_logits in zip(results["native"], results["torch"]):
         assert float((native_logits - torch_logits).abs().max()) <= 1e-4 * float(torch_logits.abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [576, 37])
+def test_rms_norm_with_its_residual_equals_the_models_norms(dtype, width):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    generator = torch.Generator().manual_seed(width)
+    x, residual = (torch.randn(5, width, generator=generator).to(dtype) for _ in range(2))
+    for module, eps, unit_offset in ((LlamaRMSNorm(width, eps=1e-5), 1e-5, False), (Gemma3RMSNorm(width), 1e-6, True)):
+        with torch.no_grad():
+            module.weight.copy_(torch.randn(width, generator=generator))
+        module = module.to(dtype)
+        with torch.inference_mode():
+            normed, summed = kernels.rms_norm(x, module.weight, eps, unit_offset, module, residual)
+            assert torch.equal(summed, x + residual)  # one rounding, as torch's add
+            _close(normed, module(x + residual), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_and_rope_are_torchs_to_the_bit_where_they_round_alike(dtype):
+    generator = torch.Generator().manual_seed(11)
+    gate, up = (torch.randn(7, 1537, generator=generator).to(dtype) for _ in range(2))
+    # SiLU's exp is our own polynomial (within 2 ulp of torch's): equal after bfloat16's rounding.
+    got = kernels.silu_mul(gate, up)
+    assert (
+        torch.equal(got, F.silu(gate) * up)
+        if dtype == torch.bfloat16
+        else _close(got, F.silu(gate) * up, dtype) is None
+    )
+    x = torch.randn(3, 9, 64, generator=generator).to(dtype)
+    positions = torch.tensor([5, 0, 199])
+    cos, sin = (torch.randn(200, 64, generator=generator).to(dtype) for _ in range(2))
+    with kernels.selected("torch"):
+        reference = kernels.rope(x, positions, cos, sin)
+    assert torch.equal(kernels.rope(x, positions, cos, sin), reference)
