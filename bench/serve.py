@@ -210,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         help="--stack up: one run per preset (up's --pruning), side by side; default: up's own",
     )
     parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=[None],
+        choices=["native", "torch"],
+        help="--stack up: one run per value (up's --kernels), side by side; default: up's own",
+    )
+    parser.add_argument(
         "--concurrency",
         type=int,
         nargs="+",
@@ -243,10 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompt_sets[0]
     report = {"args": vars(args), "workload": [length for _, length in items], "policies": {}}
     if args.stack == "up":
-        for threads, pruning in [(threads, pruning) for threads in args.up_threads for pruning in args.pruning]:
-            for concurrency, (outcomes, wall) in _through_up(args, threads, pruning, items, prompt_sets).items():
+        runs = [(t, p, k) for t in args.up_threads for p in args.pruning for k in args.kernels]
+        for threads, pruning, kernels in runs:
+            served = _through_up(args, threads, pruning, kernels, items, prompt_sets)
+            for concurrency, (outcomes, wall) in served.items():
                 summary = summarize(outcomes, wall, args.slo_ttft, args.slo_tpot)
                 name = f"up threads={threads}" + (f" pruning={pruning}" if pruning else "")
+                name += f" kernels={kernels}" if kernels else ""
                 name += f" concurrency={concurrency}" if len(args.concurrency) > 1 else ""
                 report["policies"][name] = {"summary": summary, "requests": [asdict(o) for o in outcomes]}
                 print(f"{name}: {summary['ok']}/{summary['requests']} ok in {wall:.0f} s", flush=True)
@@ -256,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     return write_report(args.out, report)
 
 
-def _through_up(args, threads: str, pruning: str | None, items, prompt_sets) -> dict[int, tuple[list[Outcome], float]]:
+def _through_up(
+    args, threads: str, pruning: str | None, kernels: str | None, items, prompt_sets
+) -> dict[int, tuple[list[Outcome], float]]:
     """Start `lazyserve up` with its defaults (and the flags given), replay the workload once per
     --concurrency value (each with its prompt set), stop it: {concurrency: (outcomes, wall seconds)}."""
     flags = ["--prefill-actors", str(args.prefill_workers)] if args.prefill_workers else []
@@ -265,6 +277,7 @@ def _through_up(args, threads: str, pruning: str | None, items, prompt_sets) -> 
     flags += ["--dtype", args.dtype] if args.dtype else []
     flags += [] if threads == "auto" else ["--threads", str(int(threads))]
     flags += ["--pruning", pruning] if pruning else []
+    flags += ["--kernels", kernels] if kernels else []
     with running_up(args.model, flags, args.max_seconds) as url:
         asyncio.run(replay(url, [(0.0, 300)], [prompt_sets[0][0][:300]], 2, 120))  # warm-up
         runs = {}

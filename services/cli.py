@@ -20,7 +20,7 @@ from shared.settings import EngineSettings
 
 # Which settings fields each command takes as flags (services.options makes the flags).
 WORKER_ENGINE = engine_options(
-    "model", "threads", "dtype", "enable_prefix_caching", "prefix_cache_bytes", "batch_invariant"
+    "model", "threads", "dtype", "enable_prefix_caching", "prefix_cache_bytes", "batch_invariant", "kernels"
 )
 BATCH_OPTIONS = [*WORKER_ENGINE, *engine_options("chat_template")]
 DECODE_OPTIONS = [*WORKER_ENGINE, Option(DecodeSettings, "host"), Option(DecodeSettings, "port")]

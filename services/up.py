@@ -198,6 +198,7 @@ UP_OPTIONS = [
         "enable_prefix_caching",
         "prefix_cache_bytes",
         "batch_invariant",
+        "kernels",
         "chat_template",
         pruning_flag="--pruning",
     ),
