@@ -4,13 +4,16 @@ Each kernel on odd shapes against its torch reference (float32 within 1e-5 relat
 within its rounding); a row's outputs the same bits alone and inside calls of 7 and 32 rows; the
 attention reading only live keys equal to the masked torch path; a decode step on either path
 alike; and the torch path taking over, and saying why, where the library is not built. These
-tests need the build (`make setup`): without it they fail, they do not skip, unless the suite
-runs on torch's kernels on purpose (LAZYSERVE_KERNELS=torch). test_fallback.py runs either way.
+tests need the build (`make setup`): where a C++ compiler is found and the CPU has AVX2, a missing
+or stale build fails them; they skip only on a host that cannot build or run the kernels (the
+torch path then serves, and says why) or when the suite runs on torch's kernels on purpose
+(LAZYSERVE_KERNELS=torch). test_fallback.py runs everywhere.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -35,7 +38,10 @@ def native():
     if os.environ.get("LAZYSERVE_KERNELS") == "torch":
         pytest.skip("the suite runs on torch's kernels (LAZYSERVE_KERNELS=torch)")
     with kernels.selected("native") as status:
-        assert status.path == "native", f"the native kernels are not running: {status.reason}"
+        if status.path != "native":
+            if "AVX2" in status.reason or not (shutil.which("c++") or shutil.which("g++")):
+                pytest.skip(f"this host cannot build or run the native kernels: {status.reason}")
+            pytest.fail(f"the native kernels are not running, though this host can build them: {status.reason}")
         yield
 
 
