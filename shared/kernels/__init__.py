@@ -1,7 +1,7 @@
 """The decode step's kernels: a native library made for few rows, with torch as reference and fallback.
 
-The engine calls `linear` and `decode_attention` here; this module checks the shapes and picks
-the path, and nothing above it knows which one ran. The native library (csrc/, one file per
+The engine calls `linear`, `decode_attention`, `rms_norm`, `silu_mul` and `rope` here; this module
+checks the shapes and picks the path, and nothing above it knows which one ran. The native library (csrc/, one file per
 kernel) is compiled once by `make setup` (build.py) and only loaded here: where it is missing,
 stale or the CPU lacks AVX2, the torch path runs and `status()` says why (the services show it in
 /status and `lazyserve --version`). `select("torch")` runs the torch path on purpose, so that a
@@ -28,11 +28,13 @@ from shared.kernels import build
 
 log = logging.getLogger(__name__)
 
-# Rows a call may have and still go to the native linear (the prompt path keeps the BLAS). At
-# one to four rows the native kernel streams the weights faster than the BLAS on every host
-# measured; at up to 16 it still wins in float32 where the weights fit in 16 MiB, and in
-# bfloat16 where the CPU has no bfloat16 products (torch's bfloat16 there is slow); the BLAS
-# wins the rest (bench kernels; docs/results.md, issue 47).
+# Rows a call may have and still go to the native linear (the prompt path keeps the BLAS). At one
+# row the native kernel reads the weights at the read bandwidth in both dtypes (torch's bfloat16
+# reads at 0.5-0.65 of it, and its float32 did on the AVX2 EPYC of issue 47, though MKL's is at
+# the bandwidth on an AMX Xeon); at four rows it beat torch on every projection measured; at up to
+# 16 it still wins in float32 where the weights fit in 16 MiB, and in bfloat16 where the CPU has
+# no bfloat16 products (torch's bfloat16 there is slow); the BLAS wins the rest (bench kernels;
+# docs/results.md, issue 47).
 FEW_ROWS = 4
 SOME_ROWS = 16
 SMALL_WEIGHT_BYTES = 16 << 20

@@ -15,6 +15,7 @@ from helpers import random_ids
 
 from services.router.client import DecodeClient
 from services.router.workers import StaticWorkers
+from shared import kernels
 from shared.api.llm import LLM, respond
 from shared.api.serving import CHAT_URL, COMPLETIONS_URL, choice_text
 from shared.net.registry import WorkerInfo
@@ -400,6 +401,7 @@ def test_tokenize_detokenize_and_version(stack, tiny_text):
     [worker] = version["decode_workers"]  # what --dtype auto chose there, and where it runs
     assert (worker["address"], worker["dtype"], worker["device"]) == (stack[1].address, "float32", "cpu")
     assert worker["torch_threads"] >= 1
+    assert worker["kernels"] == kernels.status().describe()  # "native (avx512)", or "torch (why)"
 
 
 class _SlowRelease(StaticWorkers):
