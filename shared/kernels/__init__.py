@@ -127,8 +127,9 @@ def native() -> bool:
 
 @contextlib.contextmanager
 def invariant_rows(on: bool = True):
-    """Within it, on this thread, every `linear` call goes to the native kernel whatever its
-    rows (where the native path runs), so that a row's numbers do not depend on its batch."""
+    """Within it, on this thread, every `linear` call and every row-wise op goes to the native
+    kernels whatever its rows (where the native path runs), so that a row's numbers do not
+    depend on its batch (a decode step under --batch-invariant)."""
     before = getattr(_local, "invariant", False)
     _local.invariant = on
     try:
