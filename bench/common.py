@@ -103,30 +103,35 @@ def runs_per_dtype(args, bench_dtype) -> list[dict]:
     """bench_dtype(args, dtype, compute) for each of args.kernels and each of args.dtypes, all on
     one ComputeThread with args.threads torch threads, as a worker computes (shared.compute says
     why). Each run is labelled with the kernels that ran it (its "kernels" and "label")."""
-    from shared import kernels
     from shared.compute import ComputeThread
 
     compute = ComputeThread("bench-compute")
-    before = kernels.status().path
+    paths = each_kernels(args.kernels, compute.call)
     try:
         compute.call(torch.set_num_threads, args.threads)
         runs = []
-        for name in args.kernels:
-            path = compute.call(select_kernels, name)
+        for path in paths:
             for dtype in args.dtypes:
                 run = bench_dtype(args, dtype, compute)
                 runs.append(run | {"kernels": path, "label": f"{run['dtype']}, {path} kernels"})
         return runs
     finally:
-        compute.call(kernels.select, before)  # as it found them: a test's process goes on
+        paths.close()  # puts the kernels back, while the compute thread still runs
         compute.close()
 
 
-def select_kernels(name: str) -> str:
-    """Run the decode step on `name`'s kernels from now on; what runs ("native (avx512)", "torch (why)")."""
+def each_kernels(names: list[str], call=lambda fn, *args: fn(*args)):
+    """For each kernel path named, select it (through `call`: on the compute thread where there
+    is one) and yield what runs ("native (avx512)", "torch (why)"); the path found before is put
+    back afterwards, since a test's process goes on."""
     from shared import kernels
 
-    return kernels.select(name).describe()
+    before = kernels.status().path
+    try:
+        for name in names:
+            yield call(kernels.select, name).describe()
+    finally:
+        call(kernels.select, before)
 
 
 def add_decode_workload_arguments(parser, concurrency: list[int], repeats: int, tokens: int | None = None) -> None:

@@ -27,14 +27,13 @@ import torch
 from bench.common import (
     add_decode_workload_arguments,
     add_dtypes_argument,
+    each_kernels,
     markdown_table,
     pruning_configs,
     read_bandwidth,
-    select_kernels,
     step_bytes,
     write_report,
 )
-from shared import kernels
 
 # (module attribute, phase): what shared/engine/decode.py calls, by the name it calls it.
 PHASES = [
@@ -239,13 +238,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     runs = []
-    before = kernels.status().path
-    try:
-        for name in args.kernels:
-            path = select_kernels(name)
-            runs += [bench_dtype(args, dtype) | {"kernels": path} for dtype in args.dtypes]
-    finally:
-        kernels.select(before)
+    for path in each_kernels(args.kernels):
+        runs += [bench_dtype(args, dtype) | {"kernels": path} for dtype in args.dtypes]
     for run in runs:
         print("\n" + report(run))
     return write_report(args.out, {"prompt_tokens": args.prompt, "threads": args.threads, "runs": runs})

@@ -338,8 +338,8 @@ class _SlotStep:
     def _attend_new(self, index: int, q: torch.Tensor) -> torch.Tensor:
         """Each sequence's new token q [n, H, 1, D] (slot order) over its live keys: [1, H, n, D]."""
         sizes = [self.seqs[i].cache.layers[index].size for i in self.order]
+        k, v, positions = self.slots.store(index, self.span)
         if kernels.native():  # the kernel reads each slot's live keys and nothing past its size
-            k, v, positions = self.slots.store(index, self.span)
             held = torch.tensor(sizes, device=q.device)
             row_slot = torch.arange(len(sizes), device=q.device)
             return attend_live(
@@ -354,7 +354,6 @@ class _SlotStep:
                 self.live_table,
             )
         width = max(sizes)
-        k, v, positions = self.slots.store(index, self.span)
         k, v, positions = k[:, :, :width], v[:, :, :width], positions[:, :width]
         mask = None
         if min(sizes) < width:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 
@@ -90,6 +91,12 @@ def _try_load() -> tuple[bool, str]:
     return True, ""
 
 
+@functools.cache
+def _bf16_matmul() -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (asked of the library once, not per call)."""
+    return torch.ops.lazyserve.bf16_matmul()
+
+
 def select(name: str) -> KernelStatus:
     """Use the "native" kernels (where built; else torch, and status() says why) or "torch"'s.
     For the whole process: a service calls it once at start, a benchmark around each side."""
@@ -158,7 +165,7 @@ def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if rows > SOME_ROWS:
         return False
     if x.dtype == torch.bfloat16:
-        return not torch.ops.lazyserve.bf16_matmul()
+        return not _bf16_matmul()
     return weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES
 
 
