@@ -22,8 +22,13 @@ from shared.settings import EngineSettings
 WORKER_ENGINE = engine_options(
     "model", "threads", "dtype", "enable_prefix_caching", "prefix_cache_bytes", "batch_invariant", "kernels"
 )
+SLO_OPTIONS = [Option(EngineSettings, "ttft_slo_s", "--ttft-slo"), Option(EngineSettings, "itl_slo_s", "--itl-slo")]
 BATCH_OPTIONS = [*WORKER_ENGINE, *engine_options("chat_template")]
-DECODE_OPTIONS = [*WORKER_ENGINE, Option(DecodeSettings, "host"), Option(DecodeSettings, "port")]
+DECODE_OPTIONS = [
+    *WORKER_ENGINE,
+    *SLO_OPTIONS,
+    *(Option(DecodeSettings, field) for field in ("host", "port", "prefill_growth")),
+]
 PREFILL_OPTIONS = [
     *WORKER_ENGINE,
     *(Option(PrefillSettings, field) for field in ("host", "port", "num_actors", "num_cpus", "num_gpus")),
@@ -32,6 +37,7 @@ PREFILL_OPTIONS = [
 ]
 GATEWAY_OPTIONS = [
     *engine_options("model", "threads", "enable_prefix_caching", "chat_template"),
+    *SLO_OPTIONS,
     *(Option(GatewaySettings, field) for field in ("host", "port", "prefill_workers", "decode_workers")),
     *(Option(GatewaySettings, field) for field in ("routing", "local_threshold", "redis_url")),
 ]

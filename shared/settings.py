@@ -56,6 +56,20 @@ class EngineSettings(BaseSettings):
         description="the decode step's kernels: native (built by make setup; made for few rows, batch-invariant "
         "by construction) where built, else torch's; torch runs torch's on purpose (shared/kernels)",
     )
+    # Service level targets, off by default: every process of a stack reads the same ones (the
+    # decode worker sizes its rounds' prefill by them, the gateway reports goodput against them).
+    ttft_slo_s: float | None = Field(
+        None,
+        gt=0,
+        description="time-to-first-token target in seconds: a local prompt that has waited half of it "
+        "finishes in the next round, and goodput counts requests that meet it",
+    )
+    itl_slo_s: float | None = Field(
+        None,
+        gt=0,
+        description="inter-token latency target in seconds: caps the local prefill a decode round runs "
+        "beside its step (Sarathi-Serve's budget), and goodput counts requests whose mean gap meets it",
+    )
     # 2 GiB per worker: `up` runs two (prefill and decode), so 4 GiB of a 24 GiB host, next to
     # two copies of the weights and the running sequences. At SmolLM2's default preset (19 of 30
     # layers held, float32) a token takes 31.5 KiB: about 68k tokens, twenty 3k-token documents.

@@ -5,18 +5,22 @@ process that touches the model; other threads hand it work with `call`. Each rou
 nano-vllm's three parts:
 - schedule: the sequences that can step (prompt in the cache, not finished, not cancelled, their
   reader not `max_unsent` tokens behind), at most `max_batch_size`, those that waited longest
-  first; a new sequence joins at the next round, a finished or cancelled one leaves at once;
-- run: one `decode_batch` over all of them (the weights are read once per round, not once per
-  sequence; their K/V sit in one DecodeSlots, so each layer attends in one call), and before it
-  at most one local prefill (short prompts the router sends here) advanced by whole layers within
-  the round's row budget (`max_batch_tokens` less one row per decoding sequence), so it delays the
-  running streams by at most that much work; with nothing decoding it runs to the end at once;
+  first; a new sequence joins at the next round, a finished or cancelled one leaves at once; and
+  the prompts waiting to be prefilled here (short prompts the router sends), oldest first;
+- run: whole layers of the waiting prompts, oldest first, within the round's row budget
+  (services.decode.budget: it grows with the queue, shrinks with an ITL target; with nothing
+  decoding the oldest runs to its end at once), so that several prompts advance in one round
+  and a short one finishes in one; then one `decode_batch` over the batch (the weights are read
+  once per round, not once per sequence; their K/V sit in one DecodeSlots, so each layer attends
+  in one call). The decode step keeps its place in every round;
 - postprocess: each sequence samples its own row with its own generator (a seeded request gives
   the same tokens batched or alone), its tokens go to its outbox, the finished retire.
 
 A local prefill is chunked at layer granularity (engine.PrefillRun): a stage layer's selection
 needs the last queries' attention over the whole prompt, which a token-chunked layer would only
 have after its last chunk, and whole layers keep the cache bit-identical to an unchunked prefill.
+Prompts of one round run one after another, each its own calls: rows of two prompts in one call
+would give each row numbers that depend on the other prompt's length (the BLAS blocks by rows).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
+from services.decode.budget import PrefillBudget, Waiting
 from shared.compute import ComputeThread
 from shared.contract import Sampled
 from shared.engine import (
@@ -42,6 +48,7 @@ from shared.engine import (
     finish_prefill,
 )
 from shared.engine.grammar import Grammars
+from shared.load import PrefillRate
 from shared.net.rpc import InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -95,6 +102,7 @@ class Sequence:
     prompt_ids: list[int] = field(default_factory=list)
     cache_salt: str = ""
     depths: bool = False  # a local prefill's first choice reports token depths (return_token_depths)
+    arrived_s: float = field(default_factory=time.monotonic)  # a local prefill's wait counts from here
 
     def __post_init__(self):
         self.choices = self.choices or [self]
@@ -162,16 +170,25 @@ class Scheduler:
         grammars: Grammars | None = None,
         prefix: PrefixReuse | None = None,
         compute: ComputeThread | None = None,
+        budget: PrefillBudget | None = None,
     ):
         self.model, self.grammars = model, grammars  # grammars: for structured output
         # The prefix cache: a local prefill leaves its prompt there.
         self.prefix = prefix
         self.max_sequences, self.max_unsent = max_sequences, max_unsent
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
+        # Rows of local prefill each round may run beside its decode step.
+        self.budget = budget or PrefillBudget(max_batch_tokens)
         # Every decoding sequence's K/V, a slot each: a step's layer is one write and one attention call.
         self.slots = DecodeSlots(model.spec, model.dtype, model.device)
         self.revived_token_layers = 0  # over finished sequences
         self.steps = 0  # batched decode steps run
+        # Local prefill: its recent rate (the router predicts waits with it), the rounds that ran
+        # some and the rows they ran, the prompts waiting now.
+        self.prefill_rate = PrefillRate(model.spec.num_layers)
+        self.prefill_rounds = 0
+        self.prefill_rows = 0
+        self.prefills_waiting = 0
         self._active: list[Sequence] = []  # in turn order: the front waited longest
         self._lock = threading.Lock()  # _active: changed on the compute thread, read by Status
         self._closed = False
@@ -246,18 +263,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one round
     def _round(self, active: list[Sequence]) -> float:
-        batch, prefilling = self._schedule(active)
-        if prefilling is not None:
-            budget = None if not batch else max(self.max_batch_tokens - len(batch), 0)
-            self._advance_prefill(prefilling, budget)
+        batch, waiting = self._schedule(active)
+        self.prefills_waiting = len(waiting)
+        started = time.perf_counter()
+        rows = 0
+        if waiting:
+            now = time.monotonic()
+            line = [Waiting(self._rows_left(s.prefill), now - s.arrived_s) for s in waiting]
+            rows = self._advance_prefills(waiting, self.budget.rows(len(batch), line))
+            self.prefill_rounds += 1
+            self.prefill_rows += rows
         if batch:
+            stepped = time.perf_counter()
             self._decode(batch)
-        if batch or prefilling is not None:
+            self.budget.observe_step(time.perf_counter() - stepped)
+        if waiting:  # the whole round: a prompt waiting here also waits for the decode step
+            self.prefill_rate.add(rows, time.perf_counter() - started)
+        if batch or waiting:
             return 0
         return 0.005  # every reader is behind: wait for one to take its tokens
 
-    def _schedule(self, active: list[Sequence]) -> tuple[list[Sequence], Sequence | None]:
-        batch, prefilling = [], None
+    def _schedule(self, active: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        batch, waiting = [], []
         for sequence in active:
             decoding = sequence.decoding
             if sequence.cancelled.is_set():
@@ -265,27 +292,45 @@ class Scheduler:
             elif decoding is not None and decoding.done:
                 self._retire(sequence, ChoiceFinished(sequence.index, sequence.generation.finish_reason))
             elif sequence.prefill is not None:
-                prefilling = prefilling or sequence
+                waiting.append(sequence)
             elif len(batch) < self.max_batch_size and sequence.outbox.qsize() < self.max_unsent * sequence.num_choices:
                 batch.append(sequence)
         if len(batch) == self.max_batch_size:
             with self._lock:  # those that stepped go to the back: the others go first next time
                 stepped = set(map(id, batch))
                 self._active.sort(key=lambda sequence: id(sequence) in stepped)
-        return batch, prefilling
+        return batch, waiting
 
-    def _advance_prefill(self, sequence: Sequence, budget: int | None) -> None:
-        """Run whole layers of a local prefill, within `budget` rows (None: to the end); at least one."""
-        run, rows = sequence.prefill, 0
-        try:
-            while not run.done and (budget is None or rows == 0 or rows + run.next_rows <= budget):
-                rows += run.step()
-        except Exception as error:
-            log.exception("local prefill of %s failed", sequence.request_id)
-            self._retire(sequence, ChoiceFailed(sequence.index, f"generation failed: {type(error).__name__}"))
-            return
-        if not run.done:
-            return
+    def _rows_left(self, run: PrefillRun) -> int:
+        """At most this many rows still to compute: the live set only shrinks with depth."""
+        return run.next_rows * (self.model.spec.num_layers - run.layer)
+
+    def _advance_prefills(self, waiting: list[Sequence], budget: int | None) -> int:
+        """Whole layers of the waiting prompts, oldest first, within `budget` rows (None: the
+        oldest to its end); at least one layer of the oldest. Returns the rows run. A prompt
+        whose next layer does not fit stops the round's prefill: a later one does not pass it."""
+        rows = 0
+        for sequence in waiting:
+            run = sequence.prefill
+            try:
+                while not run.done and (budget is None or rows == 0 or rows + run.next_rows <= budget):
+                    started = time.perf_counter()
+                    computed = run.step()
+                    self.budget.observe_rows(computed, time.perf_counter() - started)
+                    rows += computed
+            except Exception as error:
+                log.exception("local prefill of %s failed", sequence.request_id)
+                self._retire(sequence, ChoiceFailed(sequence.index, f"generation failed: {type(error).__name__}"))
+                continue
+            if not run.done:
+                break
+            self._finish_prefill(sequence)
+            if budget is None:  # it decodes from the next round on: the others wait for a budget
+                break
+        return rows
+
+    def _finish_prefill(self, sequence: Sequence) -> None:
+        run = sequence.prefill
         stats = finish_prefill(run, self.prefix)
         # Every choice decodes from the one prefill and joins the batch from here.
         decodings = choice_decodings(run.cache, run.config, sequence.params, sequence.prompt_ids, self.grammars, stats)

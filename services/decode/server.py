@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from proto.lazyserve.v1 import lazyserve_pb2 as pb
 from proto.lazyserve.v1 import lazyserve_pb2_grpc as pb_grpc
+from services.decode.budget import PrefillBudget
 from services.decode.scheduler import ChoiceCancelled, ChoiceFailed, ChoiceToken, Scheduler, Sequence
 from services.decode.settings import DecodeSettings
 from services.decode.transfers import TransferTable
@@ -58,6 +59,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             grammars=loaded.grammars,
             prefix=self.prefix,
             compute=compute,
+            budget=PrefillBudget(
+                settings.max_batch_tokens,
+                settings.prefill_growth,
+                itl_slo_s=settings.engine.itl_slo_s,
+                ttft_slo_s=settings.engine.ttft_slo_s,
+            ),
         )
         # For a prompt that names no pruning (the router always names one).
         self.default_pruning = loaded.engine.spec.preset(settings.engine.pruning_preset)
@@ -178,6 +185,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 response = _response(made, index)
                 if index not in sent:  # the prefill's figures, for a caller that stops early (a stop string)
                     response.stats.CopyFrom(stats_to_pb(head.choices[index].generation.stats))
+                    response.prefill_rate = self.scheduler.prefill_rate.tokens_per_s
                     sent.add(index)
                 yield response
 
@@ -258,6 +266,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             torch_threads=self.torch_threads,
             batch_invariant=self.model.batch_invariant,
             kernels=self.model.kernels,
+            prefills_waiting=self.scheduler.prefills_waiting,
+            prefill_rows_per_round=self.scheduler.prefill_rows / max(self.scheduler.prefill_rounds, 1),
+            prefill_rate=self.scheduler.prefill_rate.tokens_per_s,
             **self._prefix_status(),
         )
 

@@ -27,4 +27,10 @@ class DecodeSettings(WorkerSettings):
     max_batch_tokens: int = Field(
         2048, ge=1, description="rows per step: a local prefill runs whole layers within this less the decode rows"
     )
+    prefill_growth: int = Field(
+        4,
+        ge=1,
+        description="a round's local prefill grows with the prompts waiting per sequence decoding, up to this many "
+        "times max_batch_tokens (services.decode.budget; 1: never; --itl-slo caps it)",
+    )
     grpc_workers: int = Field(160, ge=4, description="server threads: one per open stream")

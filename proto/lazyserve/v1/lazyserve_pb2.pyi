@@ -253,7 +253,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("transfer_id", "first_tokens", "stats", "num_frames", "kv_bytes_sent", "aux_bytes_sent", "bytes_sent", "transfer_wait_s", "first_logprobs", "prefix_bytes_held", "prefix_evictions")
+    __slots__ = ("transfer_id", "first_tokens", "stats", "num_frames", "kv_bytes_sent", "aux_bytes_sent", "bytes_sent", "transfer_wait_s", "first_logprobs", "prefix_bytes_held", "prefix_evictions", "prefill_rate")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class PrefillReply(_message.Message):
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
     PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RATE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     first_tokens: _containers.RepeatedScalarFieldContainer[int]
     stats: GenerationStats
@@ -276,7 +277,8 @@ class PrefillReply(_message.Message):
     first_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     prefix_bytes_held: int
     prefix_evictions: int
-    def __init__(self, transfer_id: _Optional[str] = ..., first_tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., num_frames: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., aux_bytes_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfer_wait_s: _Optional[float] = ..., first_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefix_bytes_held: _Optional[int] = ..., prefix_evictions: _Optional[int] = ...) -> None: ...
+    prefill_rate: float
+    def __init__(self, transfer_id: _Optional[str] = ..., first_tokens: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., num_frames: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., aux_bytes_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfer_wait_s: _Optional[float] = ..., first_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefix_bytes_held: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefill_rate: _Optional[float] = ...) -> None: ...
 
 class LocalPrompt(_message.Message):
     __slots__ = ("prompt_ids", "pruning", "sampling")
@@ -303,25 +305,27 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt: _Optional[_Union[LocalPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., return_token_depths: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "stats", "logprobs", "index")
+    __slots__ = ("token_ids", "finish_reason", "stats", "logprobs", "index", "prefill_rate")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RATE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     stats: GenerationStats
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    prefill_rate: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., prefill_rate: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("model", "transfers_receiving", "transfers_ready", "sequences_active", "bytes_held", "transfers_completed", "transfers_rejected", "transfers_expired", "revived_token_layers", "dtype", "device", "torch_threads", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_bytes_held", "prefix_evictions", "prefix_budget_bytes", "batch_invariant", "max_sequences", "kernels")
+    __slots__ = ("model", "transfers_receiving", "transfers_ready", "sequences_active", "bytes_held", "transfers_completed", "transfers_rejected", "transfers_expired", "revived_token_layers", "dtype", "device", "torch_threads", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_bytes_held", "prefix_evictions", "prefix_budget_bytes", "batch_invariant", "max_sequences", "kernels", "prefills_waiting", "prefill_rows_per_round", "prefill_rate")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_RECEIVING_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_READY_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +346,9 @@ class WorkerStatus(_message.Message):
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ROWS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     transfers_receiving: int
     transfers_ready: int
@@ -362,4 +369,7 @@ class WorkerStatus(_message.Message):
     batch_invariant: bool
     max_sequences: int
     kernels: str
-    def __init__(self, model: _Optional[str] = ..., transfers_receiving: _Optional[int] = ..., transfers_ready: _Optional[int] = ..., sequences_active: _Optional[int] = ..., bytes_held: _Optional[int] = ..., transfers_completed: _Optional[int] = ..., transfers_rejected: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., revived_token_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., torch_threads: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_bytes_held: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., max_sequences: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...
+    prefills_waiting: int
+    prefill_rows_per_round: float
+    prefill_rate: float
+    def __init__(self, model: _Optional[str] = ..., transfers_receiving: _Optional[int] = ..., transfers_ready: _Optional[int] = ..., sequences_active: _Optional[int] = ..., bytes_held: _Optional[int] = ..., transfers_completed: _Optional[int] = ..., transfers_rejected: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., revived_token_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., torch_threads: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_bytes_held: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_budget_bytes: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., max_sequences: _Optional[int] = ..., kernels: _Optional[str] = ..., prefills_waiting: _Optional[int] = ..., prefill_rows_per_round: _Optional[float] = ..., prefill_rate: _Optional[float] = ...) -> None: ...

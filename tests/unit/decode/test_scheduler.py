@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from services.decode.budget import PrefillBudget
 from services.decode.scheduler import (
     ChoiceCancelled,
     ChoiceFailed,
@@ -185,3 +186,63 @@ def test_the_batch_size_caps_a_step_and_everyone_gets_turns(tiny_llama):
         assert scheduler.steps >= 18
     finally:
         scheduler.close()
+
+
+def _first_token_at(reader: Reader) -> float:
+    return next(at for at, message in reader.items if isinstance(message, ChoiceToken))
+
+
+def test_waiting_prompts_advance_together_and_each_equals_its_prefill_alone(tiny_llama):
+    model = tiny_llama.engine
+    # A round's budget that holds three short prompts whole: they finish in the round they arrive in.
+    budget = PrefillBudget(4096, growth=4)
+    scheduler = Scheduler(model, max_sequences=8, max_batch_size=8, max_batch_tokens=4096, budget=budget)
+    try:
+        stream = _local(model, "stream", _ids(model, 16, 1), OFF, SamplingParams(max_new_tokens=400))
+        stream_reader = Reader(stream)
+        scheduler.submit(stream)
+        while not stream_reader.items:
+            time.sleep(0.001)  # decoding: from here each round has a budget
+        cases = [(40, OFF), (55, LAZY), (70, OFF)]
+        prompts = [
+            _local(model, f"p{i}", _ids(model, n, 20 + i), config, SamplingParams(max_new_tokens=4))
+            for i, (n, config) in enumerate(cases)
+        ]
+        readers = [Reader(prompt) for prompt in prompts]
+        rounds = scheduler.prefill_rounds
+        # All three arrive between two rounds (on the engine thread, submit admits at once).
+        scheduler.call(lambda: [scheduler.submit(prompt) for prompt in prompts])
+        for i, ((n, config), reader) in enumerate(zip(cases, readers)):
+            tokens, end = reader.wait()
+            assert tokens == generate(model, _ids(model, n, 20 + i), config, SamplingParams(max_new_tokens=4)).tokens
+            assert end == ChoiceFinished(0, "length")
+        assert scheduler.prefill_rounds == rounds + 1  # one round prefilled all three
+        assert scheduler.prefill_rate.tokens_per_s > 0
+        stream.cancelled.set()
+        stream_reader.wait()
+    finally:
+        scheduler.close()
+
+
+def test_a_budget_too_small_for_two_prompts_serves_them_first_come_first_served(tiny_llama, scheduler):
+    model = tiny_llama.engine
+    stream = _local(model, "stream", _ids(model, 16, 1), OFF, SamplingParams(max_new_tokens=400))
+    stream_reader = Reader(stream)
+    scheduler.submit(stream)
+    while not stream_reader.items:
+        time.sleep(0.001)
+    # 100 rows a layer against a 64-row budget: one layer of the oldest per round, nothing more.
+    prompts = [
+        _local(model, f"p{i}", _ids(model, 100, 30 + i), OFF, SamplingParams(max_new_tokens=2)) for i in range(3)
+    ]
+    readers = [Reader(prompt) for prompt in prompts]
+    scheduler.call(lambda: [scheduler.submit(prompt) for prompt in prompts])
+    for reader in readers:
+        reader.wait()
+    firsts = [_first_token_at(reader) for reader in readers]
+    assert firsts == sorted(firsts)
+    # The stream's own prefill (nothing decoding: one round), then a round per layer of each prompt,
+    # never two prompts in one round.
+    assert scheduler.prefill_rounds == 1 + 3 * model.spec.num_layers
+    stream.cancelled.set()
+    stream_reader.wait()
