@@ -7,6 +7,7 @@ module knows nothing of Ray: actor.py hosts it in a Ray actor.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from shared.compute import ComputeThread
 from shared.contract.wire import logprobs_to_pb, prompt_from_pb
 from shared.engine import PrefixReuse, Sampler, Stats, run_prefill
 from shared.engine.grammar import GrammarError
+from shared.load import PrefillRate
 from shared.models.weights import LoadedModel
 from shared.net.rpc import Cancelled, DeadlineExceeded, InvalidArgument, RunningServer, make_server, start_serving
 from shared.net.telemetry import extract_context, tracer
@@ -38,6 +40,54 @@ class PrefillCounters:
     completed: int = 0
     failed: int = 0  # stopped early: the receiver failed, the caller left, or the deadline passed
     layers_computed: int = 0  # over all requests, including stopped ones
+
+
+class Turns:
+    """At most `capacity` holders at once, granted in arrival order. threading.Semaphore wakes an
+    arbitrary waiter, which under a burst gives the prompts queued here their first tokens in
+    random order; the router's predicted wait assumes first come, first served."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._tickets = itertools.count()
+        self._serving = 0  # the lowest ticket not yet granted or given up
+        self._given_up: set[int] = set()
+        self._held = 0
+        self._changed = threading.Condition()
+
+    def take(self) -> int:
+        """A ticket, to wait with: `wait(ticket, ...)` until it is its turn."""
+        with self._changed:
+            return next(self._tickets)
+
+    def wait(self, ticket: int, timeout: float) -> bool:
+        """True once `ticket` holds a turn; False if `timeout` passed first (it keeps its place)."""
+        with self._changed:
+            granted = self._changed.wait_for(
+                lambda: self._held < self.capacity and self._skip_given_up() == ticket, timeout
+            )
+            if granted:
+                self._held += 1
+                self._serving += 1
+                self._changed.notify_all()
+            return granted
+
+    def give_up(self, ticket: int) -> None:
+        """A waiter that leaves (cancelled, past its deadline): the tickets behind it move up."""
+        with self._changed:
+            self._given_up.add(ticket)
+            self._changed.notify_all()
+
+    def release(self) -> None:
+        with self._changed:
+            self._held -= 1
+            self._changed.notify_all()
+
+    def _skip_given_up(self) -> int:
+        while self._serving in self._given_up:
+            self._given_up.remove(self._serving)
+            self._serving += 1
+        return self._serving
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
@@ -57,7 +107,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.counters = PrefillCounters()
         # What it prefills, for the next prompt that starts the same (None: --no-enable-prefix-caching).
         self.prefix = PrefixReuse.configured(loaded.engine, loaded.name, settings.engine)
-        self._slots = threading.Semaphore(settings.max_concurrent_prefills)
+        self._turns = Turns(settings.max_concurrent_prefills)
+        # Its recent rate, sent with each reply: the router predicts this actor's wait with it.
+        self.rate = PrefillRate(self.model.spec.num_layers)
         # For a request that names no pruning (the router always names one).
         self.default_pruning = self.model.spec.preset(settings.engine.pruning_preset)
 
@@ -80,10 +132,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             span.set_attribute("gen_ai.usage.input_tokens", n)
             span.set_attribute("lazyserve.decode_address", request.decode_address)
             self._wait_turn(context, deadline)
+            started = time.perf_counter()
             try:
                 reply = self._run(request, context, config, params, deadline)
             finally:
-                self._slots.release()
+                self._turns.release()
+            self.rate.add(reply.stats.prefill_token_layers, time.perf_counter() - started)
+            reply.prefill_rate = self.rate.tokens_per_s
             stats = reply.stats
             span.set_attribute("lazyserve.prefill_s", stats.ttft_s)
             span.set_attribute("lazyserve.cached_tokens", stats.cached_tokens)
@@ -95,10 +150,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             return reply
 
     def _wait_turn(self, context, deadline: float) -> None:
-        while not self._slots.acquire(timeout=0.05):
+        """Wait for this request's turn (first come, first served), watching its caller and deadline."""
+        ticket = self._turns.take()
+        while not self._turns.wait(ticket, timeout=0.05):
             if not context.is_active():
+                self._turns.give_up(ticket)
                 raise Cancelled("the caller went away while waiting for a prefill slot")
             if time.monotonic() > deadline:
+                self._turns.give_up(ticket)
                 raise DeadlineExceeded("the deadline passed while waiting for a prefill slot")
 
     def _run(self, request, context, config, params, deadline: float) -> pb.PrefillReply:
