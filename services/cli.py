@@ -39,7 +39,7 @@ GATEWAY_OPTIONS = [
     *engine_options("model", "threads", "enable_prefix_caching", "chat_template"),
     *SLO_OPTIONS,
     *(Option(GatewaySettings, field) for field in ("host", "port", "prefill_workers", "decode_workers")),
-    *(Option(GatewaySettings, field) for field in ("routing", "local_threshold", "redis_url")),
+    *(Option(GatewaySettings, field) for field in ("routing", "local_threshold", "route_by_wait", "redis_url")),
 ]
 
 

@@ -202,11 +202,15 @@ UP_OPTIONS = [
         "chat_template",
         pruning_flag="--pruning",
     ),
+    Option(EngineSettings, "ttft_slo_s", "--ttft-slo"),
+    Option(EngineSettings, "itl_slo_s", "--itl-slo"),
     Option(GatewaySettings, "host"),
     Option(GatewaySettings, "port"),
     Option(GatewaySettings, "api_keys", "--api-key", repeat=True),
     Option(GatewaySettings, "local_threshold"),
+    Option(GatewaySettings, "route_by_wait"),
     Option(PrefillSettings, "niceness", "--prefill-niceness"),
+    Option(DecodeSettings, "prefill_growth"),
     *(Option(UpSettings, field) for field in ("decode_workers", "decode_port", "prefill_actors", "prefill_port")),
 ]
 
@@ -223,7 +227,11 @@ def up(values: dict[Option, object]) -> int:
     try:
         with console.status("starting decode workers and prefill actors (the first start converts the model, ~30 s)"):
             decoders = [
-                stack.start(f"decode-{i}", "decode-worker", {Option(DecodeSettings, "port"): plan.decode_port + i})
+                stack.start(
+                    f"decode-{i}",
+                    "decode-worker",
+                    {**of(values, DecodeSettings), Option(DecodeSettings, "port"): plan.decode_port + i},
+                )
                 for i in range(plan.decode_workers)
             ]
             prefill_values = {

@@ -19,7 +19,7 @@ from services.router.auth import Caller, caller_of
 from services.router.client import decode_status
 from services.router.gateway import Gateway
 from services.router.http import read_body, validated
-from services.router.workers import DECODE_TOKENS, PREFILL_COST, SEQUENCES
+from services.router.workers import DECODE_TOKENS, PREFILL_COST, PREFILL_QUEUED, SEQUENCES
 from shared.api.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -103,7 +103,7 @@ async def status(caller: Caller = Authorized, gateway: Gateway = Held):
         "pruning_presets": list(PRESET_NAMES),
         "max_depth_tokens": MAX_DEPTH_TOKENS,
         "prefix_caching": settings.engine.enable_prefix_caching,
-        "recent": gateway.metrics.recent.snapshot(),
+        "recent": gateway.metrics.recent.snapshot(settings.engine.ttft_slo_s, settings.engine.itl_slo_s),
         "workers": await _workers_view(gateway),
     }
 
@@ -112,9 +112,10 @@ async def _workers_view(gateway: Gateway) -> list[dict]:
     """Every live worker: its load in its unit and, for decode workers, what its Status says."""
     workers = gateway.workers
     live = await off_loop(workers.list)
-    tokens, cost, sequences = await off_loop(
-        lambda: (workers.loads(DECODE_TOKENS), workers.loads(PREFILL_COST), workers.loads(SEQUENCES))
+    tokens, cost, sequences, queued = await off_loop(
+        lambda: tuple(workers.loads(kind) for kind in (DECODE_TOKENS, PREFILL_COST, SEQUENCES, PREFILL_QUEUED))
     )
+    rates = gateway.dispatcher.rates
     answered = {entry["address"]: entry for entry in await decode_statuses(gateway, live, timeout=1.0)}
     view = []
     for w in live:
@@ -135,6 +136,11 @@ async def _workers_view(gateway: Gateway) -> list[dict]:
                 # Decode workers: sequences the gateways placed there, of what it generates at once.
                 "sequences": sequences.get(w.worker_id, 0.0) if decode else None,
                 "max_sequences": said.get("max_sequences") or None,
+                # Predicted prefill cost placed there and not yet prefilled (full-model prompt tokens),
+                # for a decode worker the prompts waiting in its rounds, and its last reported rate.
+                "prefill_queued": queued.get(w.worker_id, 0.0),
+                "prefills_waiting": said.get("prefills_waiting"),
+                "prefill_rate": said.get("prefill_rate") or rates.get(w.worker_id),
             }
         )
     return view

@@ -43,6 +43,8 @@ class Tokens:
     stats: Stats | None = None  # on the decode worker's first response: the prefill's figures
     logprobs: list[Sampled] | None = None  # with sampling.logprobs: one per id
     index: int = 0  # the choice (of sampling.n)
+    # With `stats` from a decode worker's local prefill: its recent prefill rate (0: not measured).
+    prefill_rate: float = 0.0
 
 
 @dataclass
@@ -102,6 +104,9 @@ async def decode_status(channels: Channels, worker: WorkerInfo, timeout: float =
         "sequences_active": status.sequences_active,
         "max_sequences": status.max_sequences,
         "bytes_held": status.bytes_held,
+        "prefills_waiting": status.prefills_waiting,
+        "prefill_rows_per_round": status.prefill_rows_per_round,
+        "prefill_rate": status.prefill_rate,
         "prefix_cache": {
             "queried_tokens": status.prefix_queried_tokens,
             "hit_tokens": status.prefix_hit_tokens,
@@ -223,7 +228,7 @@ class _Call:
                     continue
                 if response.token_ids:
                     stats = stats_from_pb(response.stats) if response.HasField("stats") else None
-                    yield Tokens(list(response.token_ids), stats, logprobs, index)
+                    yield Tokens(list(response.token_ids), stats, logprobs, index, response.prefill_rate)
             raise UpstreamError(f"decode worker {decode.address} ended the stream without finishing")
         except grpc.aio.AioRpcError as error:
             span.set_status(Status(StatusCode.ERROR, error.details() or error.code().name))

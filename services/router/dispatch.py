@@ -28,11 +28,12 @@ from opentelemetry import context as otel_context
 
 from services.router.admission import AdmissionQueue, Full, in_background, off_loop
 from services.router.client import Channels, Finished, Prefilled, Tokens, UpstreamError, WorkerFailed, generate_on
+from services.router.drains import Drains
 from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision, NoWorkerError
 from services.router.prefixes import PrefixIndex, prompt_keys
 from services.router.tracing import annotate_decision
-from services.router.workers import DECODE_TOKENS, PREFILL_COST, SEQUENCES, Workers
+from services.router.workers import DECODE_TOKENS, PREFILL_COST, PREFILL_QUEUED, SEQUENCES, Workers
 from shared.api.serving import Prepared, RequestError
 from shared.contract.prefix import BLOCK_TOKENS, held_layers
 from shared.models.text import TextModel
@@ -109,6 +110,10 @@ class Dispatcher:
         self.channels = Channels(auth)
         self.attempt = attempt  # client.generate_on; the retry tests give a scripted one
         self.prefixes = prefixes  # which worker holds which prompt start; None: no prefix caching
+        # Each worker's prefill rate as it last reported it (with a prefill's reply or first token),
+        # and how fast its queue drains as this gateway sees it: the route takes the lesser.
+        self.rates: dict[str, float] = {}
+        self.drains = Drains()
 
     async def close(self) -> None:
         await self.channels.close()
@@ -146,6 +151,7 @@ class Dispatcher:
                 exclude=exclude,
                 matched=matched,
                 shared=held_layers(prepared.pruning, spec.num_layers) / spec.num_layers,
+                rates=self.drains.rates(dict(self.rates)),
             )
             annotate_decision(span, decision, self.policy.name)
         self.metrics.routing.labels(decision.kind, self.policy.name).inc()
@@ -239,12 +245,21 @@ class Dispatcher:
                     raise
                 raise UpstreamError(f"{tries.last_failure}; no other worker is live to retry it on") from None
             added = emitted = False  # emitted: a token has gone out, so no retry
+            queued = False  # its prefill counted in the prefilling worker's queue
+            prefiller = (decision.prefill or decision.decode).worker_id
             try:
                 yield decision  # for the gateway's trace and response headers; not a token
-                added = True  # before the call: a -1 that lands first still sums to nothing
+                drain = self.drains.placed(prefiller, decision.queued_ahead, decision.prefill_cost)
+                added = queued = True  # before the call: a -1 that lands first still sums to nothing
+                placed = time.monotonic()
                 await off_loop(self._add_load, decision, +1)  # Redis: in a thread, never on the loop
                 async with aclosing(self._attempt(decision, prepared, request_id, deadline, parent, keys)) as events:
                     async for event in events:
+                        if queued and isinstance(event, Tokens):  # prefilled: out of the queue
+                            queued = False
+                            self.drains.prefilled(prefiller, drain)
+                            in_background(self._queue_load, decision, -1)
+                            self.metrics.prefill_wait.labels(decision.kind).observe(time.monotonic() - placed)
                         emitted = emitted or isinstance(event, Tokens)
                         yield event
                 return
@@ -254,6 +269,9 @@ class Dispatcher:
                 # Also while this task is being cancelled: in threads, never awaited.
                 if added:
                     in_background(self._add_load, decision, -1)
+                if queued:
+                    self.drains.prefilled(prefiller, drain, observe=False)
+                    in_background(self._queue_load, decision, -1)
                 in_background(self._unplace, decision, seats, loop)
 
     async def _attempt(self, decision: Decision, prepared: Prepared, request_id, deadline, parent, keys):
@@ -277,10 +295,13 @@ class Dispatcher:
             prefilled = False
             async for event in events:
                 if isinstance(event, Prefilled):
+                    self._rated(decision.prefill, event.reply.prefill_rate)
                     self.metrics.kv_bytes.inc(event.reply.bytes_sent)
                     self._prefill_cache_figures(decision, event.reply)
                     continue
                 if isinstance(event, Tokens) and event.index == 0 and event.stats is not None and not prefilled:
+                    if decision.prefill is None:
+                        self._rated(decision.decode, event.prefill_rate)
                     self._prefilled(decision, keys, event.stats)
                 prefilled = prefilled or isinstance(event, Tokens)
                 yield event
@@ -314,5 +335,17 @@ class Dispatcher:
             self.workers.add_load(DECODE_TOKENS, decision.decode.worker_id, sign * decision.decode_tokens)
             if decision.prefill is not None:
                 self.workers.add_load(PREFILL_COST, decision.prefill.worker_id, sign * decision.prefill_cost)
+            if sign > 0:  # taken out of the queue by _queue_load, at its first token or its end
+                self._queue_load(decision, +1)
         except Exception as error:  # a load counter must not fail a request (Redis blip): logged
             log.warning("load counter update failed: %s", error)
+
+    def _queue_load(self, decision: Decision, sign: int) -> None:
+        """The prompt's predicted prefill cost in (or out of) the prefilling worker's queue."""
+        worker = decision.prefill or decision.decode
+        self.workers.add_load(PREFILL_QUEUED, worker.worker_id, sign * decision.prefill_cost)
+        self.metrics.prefill_queued.labels(worker.address).inc(sign * decision.prefill_cost)
+
+    def _rated(self, worker, rate: float) -> None:
+        if worker is not None and rate > 0:
+            self.rates[worker.worker_id] = rate

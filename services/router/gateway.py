@@ -78,7 +78,7 @@ class Gateway:
         self.queue = AdmissionQueue(self.metrics, settings.max_queued)
         self.dispatcher = Dispatcher(
             workers,
-            make_policy(settings.routing, settings.local_threshold),
+            make_policy(settings.routing, settings.local_threshold, settings.route_by_wait),
             text,
             self.metrics,
             settings.retries,

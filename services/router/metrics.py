@@ -14,14 +14,17 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 
 
 class Recent:
-    """The last minute's TTFTs and generated tokens, for `GET /status` (a page polls it every few
-    seconds). Prometheus' histograms answer over all time; a rate over a window is PromQL's job,
-    and the page must work without a Prometheus server. Bounded: at most `limit` events kept."""
+    """The last minute's requests, for `GET /status` (a page polls it every few seconds):
+    TTFTs, each finished request's mean inter-token gap, generated tokens, and goodput against
+    the service level targets. Prometheus' histograms answer over all time; a rate over a window
+    is PromQL's job, and the page must work without a Prometheus server. Bounded: at most `limit`
+    events of each kind kept."""
 
     def __init__(self, window_s: float = 60.0, limit: int = 100_000):
         self.window_s = window_s
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=limit)
         self._tokens: deque[tuple[float, int]] = deque(maxlen=limit)
+        self._finished: deque[tuple[float, float, float | None]] = deque(maxlen=limit)  # (at, TTFT, mean gap)
         self._lock = threading.Lock()
 
     def ttft(self, seconds: float) -> None:
@@ -32,19 +35,49 @@ class Recent:
         with self._lock:
             self._tokens.append((time.monotonic(), count))
 
-    def snapshot(self) -> dict:
+    def finished(self, ttft_s: float, mean_gap_s: float | None) -> None:
+        """A request that streamed tokens ended: its TTFT and its mean gap (None: one token)."""
+        with self._lock:
+            self._finished.append((time.monotonic(), ttft_s, mean_gap_s))
+
+    def snapshot(self, ttft_slo_s: float | None = None, itl_slo_s: float | None = None) -> dict:
         since = time.monotonic() - self.window_s
         with self._lock:
             ttfts = sorted(value for at, value in self._ttfts if at >= since)
             tokens = sum(count for at, count in self._tokens if at >= since)
-        quantiles = statistics.quantiles(ttfts, n=20, method="inclusive") if len(ttfts) > 1 else ttfts * 19
-        return {
+            finished = [(ttft, gap) for at, ttft, gap in self._finished if at >= since]
+        gaps = [gap for _, gap in finished if gap is not None]
+        snapshot = {
             "window_s": self.window_s,
             "requests": len(ttfts),
-            "ttft_p50_s": quantiles[9] if ttfts else None,
-            "ttft_p95_s": quantiles[18] if ttfts else None,
+            "ttft_p50_s": _quantile(ttfts, 10),
+            "ttft_p95_s": _quantile(ttfts, 19),
+            "itl_p50_s": _quantile(gaps, 10),
             "tokens_per_s": tokens / self.window_s,
+            "goodput": None,
         }
+        if ttft_slo_s is not None or itl_slo_s is not None:
+            good = [
+                (ttft_slo_s is None or ttft <= ttft_slo_s) and (itl_slo_s is None or gap is None or gap <= itl_slo_s)
+                for ttft, gap in finished
+            ]
+            snapshot["goodput"] = {
+                "ttft_slo_s": ttft_slo_s,
+                "itl_slo_s": itl_slo_s,
+                "finished": len(good),
+                "share": sum(good) / len(good) if good else None,
+                "requests_per_s": sum(good) / self.window_s,
+            }
+        return snapshot
+
+
+def _quantile(values: list[float], twentieth: int) -> float | None:
+    """The `twentieth`/20 quantile (inclusive method); None without values."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(sorted(values), n=20, method="inclusive")[twentieth - 1]
 
 
 class GatewayMetrics:
@@ -112,6 +145,20 @@ class GatewayMetrics:
             "lazyserve_rejections",
             "requests refused or given up while waiting, by reason (queue_full, too_large, deadline, cancelled)",
             ["reason"],
+            registry=r,
+        )
+        self.prefill_queued = Gauge(
+            "lazyserve_prefill_queued",
+            "predicted prefill cost (full-model prompt tokens) this gateway placed on each worker and not yet "
+            "prefilled: the queue its routes predict waits from",
+            ["worker"],
+            registry=r,
+        )
+        self.prefill_wait = Histogram(
+            "lazyserve_prefill_wait_seconds",
+            "from a prompt's placement to its first token, waiting in the worker's prefill queue included",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.requeued = Counter(

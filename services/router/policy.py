@@ -19,14 +19,27 @@ router's index, services.router.prefixes), and the length that counts is the unc
   question on a document it holds, then never crosses the network;
 - otherwise as without the cache, each choice by price: the prefill worker holding most of the
   prompt usually wins a long prompt, the least loaded decode worker receives it.
+
+Under load the route follows the shortest predicted wait (NVIDIA Dynamo's conditional
+disaggregation: prefill remotely or locally by the queues, not by length alone). The gateways
+count each worker's queued prefill (`queued`: the predicted cost placed there whose first token
+has not come, services.router.workers.PREFILL_QUEUED) and each worker reports its recent prefill
+rate (`rates`, shared/load.py: full-model prompt tokens a second of wall time while it had prompts
+to prefill, decode steps and shared cores included). A prompt's predicted first token there is
+(queued + its own work) / rate, its own work being the uncached compute plus, on a prefill worker,
+the transfer. While any candidate has a queue, the prompt goes to the side whose prediction is
+lowest: the prefill workers when the decode worker's own prompts are backed up, the decode worker
+when the prefill workers are busy or the prompt's uncached part is tiny. With every queue empty
+(an idle system) the rules above decide, the length threshold first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from services.router.workers import DECODE_TOKENS, PREFILL_COST, Workers
+from services.router.workers import DECODE_TOKENS, PREFILL_COST, PREFILL_QUEUED, Workers
 from shared.net.registry import WorkerInfo
 
 
@@ -41,6 +54,8 @@ class Decision:
     reason: str
     prefill_cost: float
     decode_tokens: int
+    predicted_wait_s: float | None = None  # to the first token, where the queues decided
+    queued_ahead: float = 0.0  # the prefilling worker's queue when it was chosen (PREFILL_QUEUED)
 
     @property
     def kind(self) -> str:
@@ -71,8 +86,10 @@ def _cheapest(workers: list[WorkerInfo], load: dict[str, float], work: dict[str,
 class LengthAwarePolicy:
     name = "length"
 
-    def __init__(self, local_threshold: int):
-        self.local_threshold = local_threshold
+    def __init__(self, local_threshold: int, by_wait: str = "other-hosts"):
+        if by_wait not in ("off", "other-hosts", "all"):
+            raise ValueError(f"route_by_wait {by_wait!r}: use off, other-hosts or all")
+        self.local_threshold, self.by_wait = local_threshold, by_wait
 
     def choose(
         self,
@@ -84,14 +101,66 @@ class LengthAwarePolicy:
         exclude: set[str] = frozenset(),
         matched: dict[str, int] | None = None,
         shared: float = 1.0,
+        rates: dict[str, float] | None = None,
     ) -> Decision:
         """matched: per worker, the leading prompt tokens it holds; shared: the share of the
-        full model's layers a cached token skips (the layers before the first cut)."""
+        full model's layers a cached token skips (the layers before the first cut); rates: each
+        worker's prefill rate (full-model prompt tokens a second: services.router.drains)."""
         live = [w for w in workers.list() if w.model == model and w.worker_id not in exclude]
+        if not any(w.role == "decode" for w in live):
+            raise NoWorkerError(f"no decode worker serves {model!r}")
+        decision, compute, work = self._by_length(workers, live, prompt_tokens, fraction, max_tokens, matched, shared)
+        queued = workers.loads(PREFILL_QUEUED)
+        if self.by_wait != "off" and any(queued.get(w.worker_id, 0.0) > 0 for w in live):
+            decision = self._by_wait(decision, live, queued, rates or {}, compute, work, max_tokens)
+        # else an idle system: the length threshold and the cache decide
+        prefilling = decision.prefill or decision.decode
+        return dataclasses.replace(decision, queued_ahead=queued.get(prefilling.worker_id, 0.0))
+
+    def _by_wait(self, decision, live, queued, rates, compute, work, max_tokens) -> Decision:
+        """The side where the prompt's first token is predicted soonest, from the queues and rates."""
+        known = [rate for w in live if (rate := rates.get(w.worker_id, 0.0)) > 0]
+        # Not measured yet: as slow as the slowest known, so that an unknown worker earns its
+        # share by answering rather than by a guess (services.router.drains bounds it meanwhile).
+        fallback = min(known, default=1.0)
+
+        def finish(worker: WorkerInfo) -> float:
+            return (queued.get(worker.worker_id, 0.0) + work[worker.worker_id]) / (
+                rates.get(worker.worker_id) or fallback
+            )
+
+        decoders = [w for w in live if w.role == "decode"]
+        local = min(decoders, key=lambda w: (finish(w), w.worker_id))
+        # A prefill worker on the decode worker's host takes the cores its decode steps run on: not
+        # capacity beside it (unless route_by_wait is "all").
+        pairable = [
+            w
+            for w in live
+            if w.role == "prefill"
+            and w.can_pair(decision.decode)
+            and (self.by_wait == "all" or not shares_host(w, decision.decode))
+        ]
+        if decision.prefill is not None and decision.prefill not in pairable:
+            return decision  # a long prompt for a prefill worker the queues do not weigh
+        if not pairable:
+            if len(decoders) == 1:
+                return decision  # nowhere else to go
+            wait = finish(local)
+            reason = f"shortest predicted wait among decode workers: {local.address} {wait:.2f} s"
+            return Decision(local, None, reason, compute[local.worker_id], max_tokens, wait)
+        remote = min(pairable, key=lambda w: (finish(w), w.worker_id))
+        here, there = finish(local), finish(remote)
+        if here <= there:
+            reason = f"shortest predicted wait: decode worker {local.address} {here:.2f} s, prefill {there:.2f} s"
+            return Decision(local, None, reason, compute[local.worker_id], max_tokens, here)
+        reason = f"shortest predicted wait: prefill worker {remote.address} {there:.2f} s, decode {here:.2f} s"
+        return Decision(decision.decode, remote, reason, compute[remote.worker_id], max_tokens, there)
+
+    def _by_length(self, workers, live, prompt_tokens, fraction, max_tokens, matched, shared):
+        """The idle system's rules (the module's docstring); also each worker's uncached compute
+        and its work (compute plus, on a prefill worker, the transfer)."""
         decoders = [w for w in live if w.role == "decode"]
         prefillers = [w for w in live if w.role == "prefill"]
-        if not decoders:
-            raise NoWorkerError(f"no decode worker serves {model!r}")
         matched = matched or {}
         uncached = {w.worker_id: prompt_tokens - min(matched.get(w.worker_id, 0), prompt_tokens) for w in live}
         cost = prompt_tokens * fraction
@@ -114,22 +183,23 @@ class LengthAwarePolicy:
             if _price(holder, decode_load, work) <= _price(other, others_load, work):
                 held = prompt_tokens - uncached[holder.worker_id]
                 reason = f"holds {held} of {prompt_tokens} prompt tokens ({uncached[holder.worker_id]} to compute)"
-                return Decision(holder, None, reason, compute[holder.worker_id], max_tokens)
+                return Decision(holder, None, reason, compute[holder.worker_id], max_tokens), compute, work
         if prompt_tokens < self.local_threshold:
             decode = _cheapest(decoders, decode_load, work)
             reason = f"short prompt ({prompt_tokens} < {self.local_threshold} tokens)"
-            return Decision(decode, None, reason, compute[decode.worker_id], max_tokens)
+            return Decision(decode, None, reason, compute[decode.worker_id], max_tokens), compute, work
         if not prefillers:
             # Visible in the reason, the metric and the log: a long prompt prefilled on decode.
-            return Decision(decode, None, "long prompt, but no prefill worker is live", cost, max_tokens)
+            reason = "long prompt, but no prefill worker is live"
+            return Decision(decode, None, reason, cost, max_tokens), compute, work
         if not pairable:
             reason = f"long prompt, but no live prefill worker runs {decode.dtype}"
-            return Decision(decode, None, reason, cost, max_tokens)
+            return Decision(decode, None, reason, cost, max_tokens), compute, work
         prefill = _cheapest(pairable, prefill_load, work)
         reason = f"long prompt ({prompt_tokens} >= {self.local_threshold} tokens)"
         if matched.get(prefill.worker_id):
             reason += f"; the prefill worker holds {prompt_tokens - uncached[prefill.worker_id]}"
-        return Decision(decode, prefill, reason, compute[prefill.worker_id], max_tokens)
+        return Decision(decode, prefill, reason, compute[prefill.worker_id], max_tokens), compute, work
 
 
 class RoundRobinPolicy:
@@ -158,9 +228,23 @@ class RoundRobinPolicy:
         return Decision(decode, prefill, "round robin", prompt_tokens * fraction, max_tokens)
 
 
-def make_policy(name: str, local_threshold: int):
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def _host(address: str) -> str:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return "loopback" if host in LOOPBACK else host
+
+
+def shares_host(a: WorkerInfo, b: WorkerInfo) -> bool:
+    """Whether two workers' addresses name one host (so they share its cores). Containers of one
+    machine with addresses of their own look like separate hosts: route_by_wait "off" is for them."""
+    return _host(a.address) == _host(b.address)
+
+
+def make_policy(name: str, local_threshold: int, by_wait: str = "other-hosts"):
     if name == "length":
-        return LengthAwarePolicy(local_threshold)
+        return LengthAwarePolicy(local_threshold, by_wait)
     if name == "round_robin":
         return RoundRobinPolicy()
     raise ValueError(f"unknown routing policy {name!r}; use length or round_robin")

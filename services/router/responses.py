@@ -83,7 +83,8 @@ class TextJob:
     async def deltas(self) -> AsyncIterator[tuple[int, str, list[Sampled]]]:
         """(choice, text delta, the log-probabilities of the tokens it came from) as tokens arrive;
         the text may be held back (a possible stop string) while its tokens' figures are not."""
-        last = None
+        last = first = None
+        streamed = 0  # tokens received, every choice's
         async with aclosing(self.events) as events:
             async for event in events:
                 if isinstance(event, Decision):  # a retry chose again
@@ -93,7 +94,9 @@ class TextJob:
                     if event.stats is not None:
                         choice.partial_stats = event.stats
                     now = time.monotonic()
+                    streamed += len(event.ids)
                     if last is None:
+                        first = now
                         self.ttft_s = now - self.start
                         self.metrics.ttft.observe(self.ttft_s)
                         self.metrics.recent.ttft(self.ttft_s)
@@ -125,6 +128,8 @@ class TextJob:
         self.metrics.prompt_tokens.inc(self.stats.prompt_tokens)
         self.metrics.completion_tokens.inc(self.stats.completion_tokens)
         self.metrics.recent.tokens(self.stats.completion_tokens)
+        if first is not None:
+            self.metrics.recent.finished(self.ttft_s, (last - first) / (streamed - 1) if streamed > 1 else None)
         if self.stats.token_layers_full:
             self.metrics.computed_fraction.observe(self.stats.computed_fraction)
 

@@ -45,6 +45,13 @@ class GatewaySettings(InternalAuthSettings):
     )
     routing: Literal["length", "round_robin"] = Field("length", description="how a request picks its workers")
     local_threshold: int = Field(1024, ge=0, description="prompts shorter than this are prefilled on a decode worker")
+    route_by_wait: Literal["off", "other-hosts", "all"] = Field(
+        "other-hosts",
+        description="under load, send a prompt where its first token is predicted soonest (the workers' prefill "
+        "queues and rates): other-hosts counts only prefill workers on another host than the decode worker (one "
+        "on the same host takes its cores: docs/results.md, issue 48); all counts every one; off routes by "
+        "length and cache only",
+    )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="an API key the gateway accepts (hashed at start)"
     )

@@ -48,6 +48,8 @@ def annotate_decision(span, decision: Decision, policy: str) -> None:
     if decision.prefill is not None:
         span.set_attribute("lazyserve.route.prefill", decision.prefill.address)
     span.set_attribute("lazyserve.route.predicted_prefill_cost", decision.prefill_cost)
+    if decision.predicted_wait_s is not None:
+        span.set_attribute("lazyserve.route.predicted_wait_s", decision.predicted_wait_s)
 
 
 def annotate_stats(span, stats: Stats) -> None:

@@ -26,7 +26,10 @@ log = logging.getLogger(__name__)
 
 PREFILL_COST, DECODE_TOKENS, STREAMS = "prefill_cost", "decode_tokens", "streams"
 SEQUENCES = "sequences"  # sequences the gateways have placed on each decode worker (admission)
-KINDS = (PREFILL_COST, DECODE_TOKENS, STREAMS, SEQUENCES)
+# Predicted prefill cost placed on each worker (a prefill worker, or a decode worker prefilling a
+# prompt itself) whose first token has not come yet: the queue the router predicts waits from.
+PREFILL_QUEUED = "prefill_queued"
+KINDS = (PREFILL_COST, DECODE_TOKENS, STREAMS, SEQUENCES, PREFILL_QUEUED)
 ROUTERS = f"{PREFIX}:routers"  # ids of router replicas that have held load (shares expire on their own)
 
 # Check and take `amount` units in a single step, so two replicas cannot both see "room left" and
