@@ -13,10 +13,18 @@ request when its last one ends), as vLLM's and SGLang's serving benchmarks do wi
 concurrency; with `--stack up`, one run per value on the same stack, side by side;
 `--ignore-eos` makes every answer --max-tokens long.
 Reports TTFT, inter-token latency (ITL: every gap between two streamed tokens, pooled), time per
-output token (TPOT: each request's mean gap) and end-to-end p50 / p99, output tokens/s,
-throughput, and goodput (requests/s meeting the TTFT and TPOT SLO). With `--pruning off` and
-another preset, the ratios the service is judged by. Bounded: --requests requests, each run stops
-after --max-seconds.
+output token (TPOT: each request's mean gap) and end-to-end percentiles, output tokens/s,
+throughput, and goodput (DistServe's: the requests meeting both `--ttft-slo` and `--itl-slo`, a
+request's ITL being its mean gap, as AIPerf's goodput takes it), as a share and a rate. With
+`--pruning off` and another preset, the ratios the service is judged by.
+
+Every run is set against its serial bound: P, the TTFT of the workload's median prompt sent
+alone (measured on the same stack right before the runs, fresh text each time, median of 3), and
+the TTFT p50 of the same arrivals served first come, first served, one prompt at a time at that
+speed, decode free (`serial_bound`). For one closed-loop wave (as many requests as streams) that
+is N/2 x P; for more requests than streams the later ones queue behind the whole wave and it
+grows towards N x P. `serial_bound_ttft_p50_s` is that simulation; `half_wave_bound_s`, N/2 x P,
+is given beside it. Bounded: --requests requests, each run stops after --max-seconds.
 """
 
 from __future__ import annotations
@@ -150,9 +158,38 @@ def percentile(values: list[float], q: float) -> float:
     return values[index]
 
 
-def summarize(outcomes: list[Outcome], wall_s: float, slo_ttft: float, slo_tpot: float) -> dict:
+def serial_bound(alone_s: list[float], concurrency: int, arrivals: list[float] | None = None) -> list[float]:
+    """Each request's TTFT had its prompts been served first come, first served, one at a time,
+    request i taking alone_s[i], decode free: with `concurrency` closed-loop streams (a stream's
+    next request goes out when its last one has its first token), else at `arrivals`."""
+    free, ttfts = 0.0, []  # when the one server is next free
+    if concurrency:
+        streams = [0.0] * concurrency  # when each stream sends its next request
+        for cost in alone_s:
+            stream = min(range(concurrency), key=lambda k: streams[k])
+            sent = streams[stream]
+            free = max(free, sent) + cost
+            ttfts.append(free - sent)
+            streams[stream] = free
+        return ttfts
+    for sent, cost in zip(arrivals or [], alone_s):
+        free = max(free, sent) + cost
+        ttfts.append(free - sent)
+    return ttfts
+
+
+def summarize(
+    outcomes: list[Outcome],
+    wall_s: float,
+    slo_ttft: float,
+    slo_itl: float,
+    alone_s: float | None = None,
+    concurrency: int = 0,
+    arrivals: list[float] | None = None,
+) -> dict:
+    """alone_s: P, the median prompt's TTFT alone; with it, the serial bound and the distance to it."""
     ok = [o for o in outcomes if o.ok]
-    good = [o for o in ok if o.ttft_s <= slo_ttft and (math.isnan(o.tpot_s) or o.tpot_s <= slo_tpot)]
+    good = [o for o in ok if o.ttft_s <= slo_ttft and (math.isnan(o.tpot_s) or o.tpot_s <= slo_itl)]
     summary = {"requests": len(outcomes), "ok": len(ok), "errors": len(outcomes) - len(ok), "wall_s": wall_s}
     gaps = [gap for o in ok for gap in o.itl_s]
     for name, values in [(name, [getattr(o, name) for o in ok]) for name in ("ttft_s", "tpot_s", "e2e_s")] + [
@@ -160,12 +197,25 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo_ttft: float, slo_tpot:
     ]:
         summary[name] = {
             "p50": percentile(values, 50),
+            "p90": percentile(values, 90),
             "p99": percentile(values, 99),
             "mean": statistics.fmean(values) if values else math.nan,
         }
     summary["throughput_rps"] = len(ok) / wall_s
     summary["output_tokens_per_s"] = sum(o.tokens for o in ok) / wall_s
     summary["goodput_rps"] = len(good) / wall_s
+    summary["goodput_share"] = len(good) / len(outcomes) if outcomes else math.nan
+    summary["slo"] = {"ttft_s": slo_ttft, "itl_s": slo_itl}
+    if alone_s is not None and outcomes:
+        median = statistics.median(o.prompt_tokens for o in outcomes)
+        costs = [alone_s * o.prompt_tokens / median for o in outcomes]  # P scaled by length
+        bound = percentile(serial_bound(costs, concurrency, arrivals), 50)
+        summary["ttft_alone_s"] = alone_s
+        summary["serial_bound_ttft_p50_s"] = bound
+        summary["ttft_p50_over_serial_bound"] = summary["ttft_s"]["p50"] / bound
+        if concurrency:
+            summary["half_wave_bound_s"] = concurrency / 2 * alone_s
+            summary["ttft_p50_over_half_wave_bound"] = summary["ttft_s"]["p50"] / (concurrency / 2 * alone_s)
     summary["routes"] = {
         route: sum(o.route == route for o in outcomes) for route in sorted({o.route for o in outcomes})
     }
@@ -231,8 +281,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="--stack workers: torch threads per worker")
     parser.add_argument("--local-threshold", type=int, default=None, help="default: the gateway's")
     parser.add_argument("--policies", nargs="+", default=["length", "round_robin"], help="--stack workers only")
-    parser.add_argument("--slo-ttft", type=float, default=10.0, help="seconds")
-    parser.add_argument("--slo-tpot", type=float, default=0.5, help="seconds per output token")
+    parser.add_argument("--ttft-slo", "--slo-ttft", dest="slo_ttft", type=float, default=10.0, help="seconds")
+    parser.add_argument(
+        "--itl-slo",
+        "--slo-tpot",
+        dest="slo_tpot",
+        type=float,
+        default=0.5,
+        help="seconds: a request meets it when its mean gap between tokens does",
+    )
+    parser.add_argument(
+        "--serve-slo",
+        action="store_true",
+        help="--stack up: start up with these targets too (--ttft-slo, --itl-slo: they steer its schedule)",
+    )
     parser.add_argument("--max-seconds", type=float, default=900.0, help="bound of each policy's run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="out/bench_serve.json")
@@ -251,26 +313,36 @@ def main(argv: list[str] | None = None) -> int:
     report = {"args": vars(args), "workload": [length for _, length in items], "policies": {}}
     if args.stack == "up":
         runs = [(t, p, k) for t in args.up_threads for p in args.pruning for k in args.kernels]
+        arrivals = [at for at, _ in items]
         for threads, pruning, kernels in runs:
-            served = _through_up(args, threads, pruning, kernels, items, prompt_sets)
+            served, alone = _through_up(args, threads, pruning, kernels, items, prompt_sets, corpus)
             for concurrency, (outcomes, wall) in served.items():
-                summary = summarize(outcomes, wall, args.slo_ttft, args.slo_tpot)
+                summary = summarize(outcomes, wall, args.slo_ttft, args.slo_tpot, alone, concurrency, arrivals)
                 name = f"up threads={threads}" + (f" pruning={pruning}" if pruning else "")
                 name += f" kernels={kernels}" if kernels else ""
                 name += f" concurrency={concurrency}" if len(args.concurrency) > 1 else ""
                 report["policies"][name] = {"summary": summary, "requests": [asdict(o) for o in outcomes]}
                 print(f"{name}: {summary['ok']}/{summary['requests']} ok in {wall:.0f} s", flush=True)
     else:
-        _through_workers(args, items, prompts, report)
+        _through_workers(args, items, prompts, report, corpus)
     _print(report)
     return write_report(args.out, report)
 
 
+def ttft_alone(url: str, corpus: list[int], length: int, seed: int, repeats: int = 3) -> float:
+    """P: the median TTFT of a `length`-token prompt sent alone, fresh text each time (no prefix
+    cache hit), one token asked."""
+    prompts = sample_prompts(corpus, [(0.0, length)] * repeats, seed)
+    ttfts = [asyncio.run(replay(url, [(0.0, length)], [prompt], 1, 120))[0].ttft_s for prompt in prompts]
+    return statistics.median(ttfts)
+
+
 def _through_up(
-    args, threads: str, pruning: str | None, kernels: str | None, items, prompt_sets
-) -> dict[int, tuple[list[Outcome], float]]:
-    """Start `lazyserve up` with its defaults (and the flags given), replay the workload once per
-    --concurrency value (each with its prompt set), stop it: {concurrency: (outcomes, wall seconds)}."""
+    args, threads: str, pruning: str | None, kernels: str | None, items, prompt_sets, corpus
+) -> tuple[dict[int, tuple[list[Outcome], float]], float]:
+    """Start `lazyserve up` with its defaults (and the flags given), measure P (ttft_alone), replay
+    the workload once per --concurrency value (each with its prompt set), stop it:
+    ({concurrency: (outcomes, wall seconds)}, P)."""
     flags = ["--prefill-actors", str(args.prefill_workers)] if args.prefill_workers else []
     flags += ["--decode-workers", str(args.decode_workers)] if args.decode_workers else []
     flags += ["--local-threshold", str(args.local_threshold)] if args.local_threshold is not None else []
@@ -278,8 +350,10 @@ def _through_up(
     flags += [] if threads == "auto" else ["--threads", str(int(threads))]
     flags += ["--pruning", pruning] if pruning else []
     flags += ["--kernels", kernels] if kernels else []
+    flags += ["--ttft-slo", str(args.slo_ttft), "--itl-slo", str(args.slo_tpot)] if args.serve_slo else []
     with running_up(args.model, flags, args.max_seconds) as url:
         asyncio.run(replay(url, [(0.0, 300)], [prompt_sets[0][0][:300]], 2, 120))  # warm-up
+        alone = ttft_alone(url, corpus, int(statistics.median(length for _, length in items)), args.seed + 1000)
         runs = {}
         for concurrency, prompts in zip(args.concurrency, prompt_sets):
             start = time.monotonic()
@@ -287,7 +361,7 @@ def _through_up(
                 replay(url, items, prompts, args.max_tokens, args.max_seconds, concurrency, args.ignore_eos)
             )
             runs[concurrency] = outcomes, time.monotonic() - start
-        return runs
+        return runs, alone
 
 
 @contextlib.contextmanager
@@ -323,7 +397,7 @@ def running_up(model: str, flags: list[str], request_timeout_s: float, port: int
         process.wait(timeout=60)
 
 
-def _through_workers(args, items, prompts, report: dict) -> None:
+def _through_workers(args, items, prompts, report: dict, corpus: list[int]) -> None:
     from services.prefill.actor import actor_addresses, ensure_ray, launch_prefill_actors
     from services.prefill.settings import PrefillSettings
     from services.up import wait_for_gateway
@@ -370,6 +444,8 @@ def _through_workers(args, items, prompts, report: dict) -> None:
             try:
                 wait_for_gateway(url, 120.0)
                 asyncio.run(replay(url, [(0.0, 300)], [prompts[0][:300]], 2, 120))  # warm-up
+                median = int(statistics.median(length for _, length in items))
+                alone = ttft_alone(url, corpus, median, args.seed + 1000 + len(report["policies"]))
                 start = time.monotonic()
                 outcomes = asyncio.run(
                     replay(url, items, prompts, args.max_tokens, args.max_seconds, args.concurrency[0], args.ignore_eos)
@@ -378,7 +454,8 @@ def _through_workers(args, items, prompts, report: dict) -> None:
             finally:
                 gateway.terminate()
                 gateway.wait(timeout=30)
-            summary = summarize(outcomes, wall, args.slo_ttft, args.slo_tpot)
+            arrivals = [at for at, _ in items]
+            summary = summarize(outcomes, wall, args.slo_ttft, args.slo_tpot, alone, args.concurrency[0], arrivals)
             report["policies"][policy] = {"summary": summary, "requests": [asdict(o) for o in outcomes]}
             print(f"{policy}: {summary['ok']}/{summary['requests']} ok in {wall:.0f} s", flush=True)
     finally:
@@ -403,11 +480,13 @@ def _print(report: dict) -> None:
                 f"{s['tpot_s']['p50'] * 1000:.0f}",
                 f"{s['tpot_s']['p99'] * 1000:.0f}",
                 f"{s['itl_s']['p50'] * 1000:.0f}",
+                f"{s['itl_s']['p90'] * 1000:.0f}",
                 f"{s['e2e_s']['p50']:.2f}",
                 f"{s['e2e_s']['p99']:.2f}",
                 f"{s['output_tokens_per_s']:.1f}",
                 f"{s['throughput_rps']:.3f}",
-                f"{s['goodput_rps']:.3f}",
+                f"{s['goodput_rps']:.3f} ({s['goodput_share']:.0%})",
+                _bound(s),
                 json.dumps(s["routes"]),
             ]
         )
@@ -421,11 +500,13 @@ def _print(report: dict) -> None:
                 "TPOT p50 ms",
                 "TPOT p99 ms",
                 "ITL p50 ms",
+                "ITL p90 ms",
                 "e2e p50 s",
                 "e2e p99 s",
                 "output tok/s",
                 "req/s",
-                "goodput req/s",
+                "goodput req/s (share)",
+                "TTFT p50 / serial bound (P)",
                 "routes",
             ],
             rows,
@@ -446,6 +527,16 @@ def _print(report: dict) -> None:
             f"{name} against pruning=off: output tok/s {ratios['output_tokens_per_s']:.2f}x, "
             f"ITL p50 {ratios['itl_p50']:.2f}x, TTFT p50 {ratios['ttft_p50_speedup']:.2f}x faster"
         )
+
+
+def _bound(summary: dict) -> str:
+    if "serial_bound_ttft_p50_s" not in summary:
+        return "–"
+    text = f"{summary['ttft_p50_over_serial_bound']:.2f}x of {summary['serial_bound_ttft_p50_s']:.1f} s"
+    text += f" (P {summary['ttft_alone_s']:.2f} s"
+    if "half_wave_bound_s" in summary:
+        text += f"; {summary['ttft_p50_over_half_wave_bound']:.2f}x of N/2 x P"
+    return text + ")"
 
 
 def against_lowest_concurrency(policies: dict) -> dict:

@@ -23,7 +23,7 @@ def test_closed_loop_streams_serve_every_prompt_at_full_length(tiny_llama, decod
     for o in outcomes:  # one gap per streamed token after the first; they add up to the stream's span
         assert 1 <= len(o.itl_s) <= 5 and all(gap >= 0 for gap in o.itl_s)
         assert abs(sum(o.itl_s) - o.tpot_s * len(o.itl_s)) < 1e-9
-    summary = summarize(outcomes, 2.0, slo_ttft=10.0, slo_tpot=1.0)
+    summary = summarize(outcomes, 2.0, slo_ttft=10.0, slo_itl=1.0)
     assert summary["ok"] == 5 and summary["output_tokens_per_s"] == 15.0
     gaps = sorted(gap for o in outcomes for gap in o.itl_s)
     assert summary["itl_s"]["p50"] == gaps[(len(gaps) + 1) // 2 - 1]
