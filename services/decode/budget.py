@@ -44,7 +44,7 @@ class PrefillBudget:
     growth: int = 4
     itl_slo_s: float | None = None
     ttft_slo_s: float | None = None
-    row_s: float | None = None  # seconds per prefill row, recent
+    row_s: float | None = None  # seconds per prefill row over a round's layers, recent
     step_s: float | None = None  # seconds per decode step, recent
 
     def __post_init__(self):

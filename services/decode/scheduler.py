@@ -309,15 +309,12 @@ class Scheduler:
         """Whole layers of the waiting prompts, oldest first, within `budget` rows (None: the
         oldest to its end); at least one layer of the oldest. Returns the rows run. A prompt
         whose next layer does not fit stops the round's prefill: a later one does not pass it."""
-        rows = 0
+        rows, started = 0, time.perf_counter()
         for sequence in waiting:
             run = sequence.prefill
             try:
                 while not run.done and (budget is None or rows == 0 or rows + run.next_rows <= budget):
-                    started = time.perf_counter()
-                    computed = run.step()
-                    self.budget.observe_rows(computed, time.perf_counter() - started)
-                    rows += computed
+                    rows += run.step()
             except Exception as error:
                 log.exception("local prefill of %s failed", sequence.request_id)
                 self._retire(sequence, ChoiceFailed(sequence.index, f"generation failed: {type(error).__name__}"))
@@ -327,6 +324,8 @@ class Scheduler:
             self._finish_prefill(sequence)
             if budget is None:  # it decodes from the next round on: the others wait for a budget
                 break
+        # The round's mix of layers (a pruned layer's few rows cost more each): one observation.
+        self.budget.observe_rows(rows, time.perf_counter() - started)
         return rows
 
     def _finish_prefill(self, sequence: Sequence) -> None:
