@@ -20,11 +20,13 @@ request's ITL being its mean gap, as AIPerf's goodput takes it), as a share and 
 
 Every run is set against its serial bound: P, the TTFT of the workload's median prompt sent
 alone (measured on the same stack right before the runs, fresh text each time, median of 3), and
-the TTFT p50 of the same arrivals served first come, first served, one prompt at a time at that
-speed, decode free (`serial_bound`). For one closed-loop wave (as many requests as streams) that
-is N/2 x P; for more requests than streams the later ones queue behind the whole wave and it
-grows towards N x P. `serial_bound_ttft_p50_s` is that simulation; `half_wave_bound_s`, N/2 x P,
-is given beside it. Bounded: --requests requests, each run stops after --max-seconds.
+the TTFT p50 of the same requests served first come, first served, one prompt at a time at that
+speed (`serial_bound` at Poisson arrivals; `closed_loop_bound` for --concurrency: each stream
+sends its next request once its last one has had its first token and decoded for as long as it
+did in the run). For one closed-loop wave (as many requests as streams) that is N/2 x P;
+requests sent later queue behind what is left of the wave.
+`serial_bound_ttft_p50_s` is that; `half_wave_bound_s`, N/2 x P, is given beside it. Bounded:
+--requests requests, each run stops after --max-seconds.
 """
 
 from __future__ import annotations
@@ -158,23 +160,28 @@ def percentile(values: list[float], q: float) -> float:
     return values[index]
 
 
-def serial_bound(alone_s: list[float], concurrency: int, arrivals: list[float] | None = None) -> list[float]:
-    """Each request's TTFT had its prompts been served first come, first served, one at a time,
-    request i taking alone_s[i], decode free: with `concurrency` closed-loop streams (a stream's
-    next request goes out when its last one has its first token), else at `arrivals`."""
+def serial_bound(alone_s: list[float], arrivals: list[float]) -> list[float]:
+    """Each request's TTFT had the requests arriving at `arrivals` been served first come, first
+    served, one prompt at a time, request i taking alone_s[i] and decode taking nothing."""
     free, ttfts = 0.0, []  # when the one server is next free
-    if concurrency:
-        streams = [0.0] * concurrency  # when each stream sends its next request
-        for cost in alone_s:
-            stream = min(range(concurrency), key=lambda k: streams[k])
-            sent = streams[stream]
-            free = max(free, sent) + cost
-            ttfts.append(free - sent)
-            streams[stream] = free
-        return ttfts
-    for sent, cost in zip(arrivals or [], alone_s):
+    for sent, cost in sorted(zip(arrivals, alone_s)):
         free = max(free, sent) + cost
         ttfts.append(free - sent)
+    return ttfts
+
+
+def closed_loop_bound(alone_s: list[float], decode_s: list[float], concurrency: int) -> list[float]:
+    """Each request's TTFT had a closed loop of `concurrency` streams (each taking the next request
+    in order when its last one ended) been served one prompt at a time, first come, first served,
+    request i's prefill taking alone_s[i] and its decoding what it took in the run, decode_s[i]."""
+    ends = [0.0] * concurrency  # when each stream sends its next request
+    free, ttfts = 0.0, []
+    for cost, decode in zip(alone_s, decode_s):
+        stream = min(range(concurrency), key=lambda k: ends[k])
+        sent = ends[stream]
+        free = max(free, sent) + cost
+        ttfts.append(free - sent)
+        ends[stream] = free + (0.0 if math.isnan(decode) else decode)
     return ttfts
 
 
@@ -209,7 +216,11 @@ def summarize(
     if alone_s is not None and outcomes:
         median = statistics.median(o.prompt_tokens for o in outcomes)
         costs = [alone_s * o.prompt_tokens / median for o in outcomes]  # P scaled by length
-        bound = percentile(serial_bound(costs, concurrency, arrivals), 50)
+        if concurrency:
+            ttfts = closed_loop_bound(costs, [o.e2e_s - o.ttft_s for o in outcomes], concurrency)
+        else:
+            ttfts = serial_bound(costs, arrivals or [0.0] * len(costs))
+        bound = percentile(ttfts, 50)
         summary["ttft_alone_s"] = alone_s
         summary["serial_bound_ttft_p50_s"] = bound
         summary["ttft_p50_over_serial_bound"] = summary["ttft_s"]["p50"] / bound
