@@ -259,7 +259,8 @@ class Dispatcher:
                             queued = False
                             self.drains.prefilled(prefiller, drain)
                             in_background(self._queue_load, decision, -1)
-                            self.metrics.prefill_wait.labels(decision.kind).observe(time.monotonic() - placed)
+                            worker = (decision.prefill or decision.decode).address
+                            self.metrics.prefill_wait.labels(decision.kind, worker).observe(time.monotonic() - placed)
                         emitted = emitted or isinstance(event, Tokens)
                         yield event
                 return

@@ -156,8 +156,8 @@ class GatewayMetrics:
         )
         self.prefill_wait = Histogram(
             "lazyserve_prefill_wait_seconds",
-            "from a prompt's placement to its first token, waiting in the worker's prefill queue included",
-            ["route"],
+            "from a prompt's placement to its first token, waiting in the prefilling worker's queue included",
+            ["route", "worker"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

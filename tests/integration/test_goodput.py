@@ -66,6 +66,7 @@ def test_a_burst_of_short_prompts_fills_both_sides_and_leaves_no_queue(
     assert all(reply["usage"]["completion_tokens"] == MAX_TOKENS for reply in alone)
     metrics = httpx.get(f"{running.url}/metrics").text
     assert _metric(metrics, "lazyserve_prefill_wait_seconds_count") == 24
+    assert _metric(metrics, "lazyserve_prefill_wait_seconds_count", worker=prefill.address) == routes["disaggregated"]
     assert _metric(metrics, "lazyserve_routing_decisions_total", kind="disaggregated") == routes["disaggregated"]
     # Every prompt left its worker's queue at its first token.
     assert wait_for(lambda: _metric(httpx.get(f"{running.url}/metrics").text, "lazyserve_prefill_queued") == 0)
