@@ -61,6 +61,16 @@ class Reader:
         return tokens, self.items[-1][1]
 
 
+def _decoding_stream(scheduler: Scheduler, model) -> tuple[Sequence, Reader]:
+    """A long answer submitted and decoding (its first token out) before the test goes on."""
+    stream = _local(model, "stream", _ids(model, 16, 1), OFF, SamplingParams(max_new_tokens=400))
+    reader = Reader(stream)
+    scheduler.submit(stream)
+    while not reader.items:
+        time.sleep(0.001)
+    return stream, reader
+
+
 @pytest.fixture
 def scheduler(tiny_llama):
     scheduler = Scheduler(tiny_llama.engine, max_sequences=8, max_batch_size=8, max_batch_tokens=64, max_unsent=8)
@@ -102,11 +112,7 @@ def test_batched_sequences_give_what_each_gives_alone(tiny_llama, scheduler):
 
 def test_a_stream_keeps_receiving_tokens_while_a_long_local_prefill_runs(tiny_llama, scheduler):
     model = tiny_llama.engine
-    stream = _local(model, "stream", _ids(model, 16, 1), OFF, SamplingParams(max_new_tokens=400))
-    stream_reader = Reader(stream)
-    scheduler.submit(stream)
-    while not stream_reader.items:
-        time.sleep(0.001)  # the stream is decoding
+    stream, stream_reader = _decoding_stream(scheduler, model)
     submitted = time.monotonic()
     long = _local(model, "long-prompt", _ids(model, 1800, 2), OFF, SamplingParams(max_new_tokens=2))
     long_reader = Reader(long)
@@ -198,11 +204,7 @@ def test_waiting_prompts_advance_together_and_each_equals_its_prefill_alone(tiny
     budget = PrefillBudget(4096, growth=4)
     scheduler = Scheduler(model, max_sequences=8, max_batch_size=8, max_batch_tokens=4096, budget=budget)
     try:
-        stream = _local(model, "stream", _ids(model, 16, 1), OFF, SamplingParams(max_new_tokens=400))
-        stream_reader = Reader(stream)
-        scheduler.submit(stream)
-        while not stream_reader.items:
-            time.sleep(0.001)  # decoding: from here each round has a budget
+        stream, stream_reader = _decoding_stream(scheduler, model)  # from here each round has a budget
         cases = [(40, OFF), (55, LAZY), (70, OFF)]
         prompts = [
             _local(model, f"p{i}", _ids(model, n, 20 + i), config, SamplingParams(max_new_tokens=4))
@@ -226,11 +228,7 @@ def test_waiting_prompts_advance_together_and_each_equals_its_prefill_alone(tiny
 
 def test_a_budget_too_small_for_two_prompts_serves_them_first_come_first_served(tiny_llama, scheduler):
     model = tiny_llama.engine
-    stream = _local(model, "stream", _ids(model, 16, 1), OFF, SamplingParams(max_new_tokens=400))
-    stream_reader = Reader(stream)
-    scheduler.submit(stream)
-    while not stream_reader.items:
-        time.sleep(0.001)
+    stream, stream_reader = _decoding_stream(scheduler, model)
     # 100 rows a layer against a 64-row budget: one layer of the oldest per round, nothing more.
     prompts = [
         _local(model, f"p{i}", _ids(model, 100, 30 + i), OFF, SamplingParams(max_new_tokens=2)) for i in range(3)
