@@ -24,13 +24,16 @@ Under load the route follows the shortest predicted wait (NVIDIA Dynamo's condit
 disaggregation: prefill remotely or locally by the queues, not by length alone). The gateways
 count each worker's queued prefill (`queued`: the predicted cost placed there whose first token
 has not come, services.router.workers.PREFILL_QUEUED) and each worker reports its recent prefill
-rate (`rates`, shared/load.py: full-model prompt tokens a second of wall time while it had prompts
-to prefill, decode steps and shared cores included). A prompt's predicted first token there is
+rate (shared/load.py: full-model prompt tokens a second of wall time while it had prompts to
+prefill, decode steps and shared cores included), bounded by how fast the gateway sees its queue
+drain (`rates`, services.router.drains). A prompt's predicted first token there is
 (queued + its own work) / rate, its own work being the uncached compute plus, on a prefill worker,
 the transfer. While any candidate has a queue, the prompt goes to the side whose prediction is
 lowest: the prefill workers when the decode worker's own prompts are backed up, the decode worker
 when the prefill workers are busy or the prompt's uncached part is tiny. With every queue empty
-(an idle system) the rules above decide, the length threshold first.
+(an idle system) the rules above decide, the length threshold first. `by_wait` "other-hosts"
+(the default) weighs only prefill workers on another host than the decode worker: one on the same
+host takes the cores the decode steps run on (docs/results.md, issue 48); "all" weighs every one.
 """
 
 from __future__ import annotations
