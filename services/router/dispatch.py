@@ -246,10 +246,10 @@ class Dispatcher:
                 raise UpstreamError(f"{tries.last_failure}; no other worker is live to retry it on") from None
             added = emitted = False  # emitted: a token has gone out, so no retry
             queued = False  # its prefill counted in the prefilling worker's queue
-            prefiller = (decision.prefill or decision.decode).worker_id
+            prefilling = decision.prefill or decision.decode
             try:
                 yield decision  # for the gateway's trace and response headers; not a token
-                drain = self.drains.placed(prefiller, decision.queued_ahead, decision.prefill_cost)
+                drain = self.drains.placed(prefilling.worker_id, decision.queued_ahead, decision.prefill_cost)
                 added = queued = True  # before the call: a -1 that lands first still sums to nothing
                 placed = time.monotonic()
                 await off_loop(self._add_load, decision, +1)  # Redis: in a thread, never on the loop
@@ -257,10 +257,10 @@ class Dispatcher:
                     async for event in events:
                         if queued and isinstance(event, Tokens):  # prefilled: out of the queue
                             queued = False
-                            self.drains.prefilled(prefiller, drain)
+                            self.drains.prefilled(prefilling.worker_id, drain)
                             in_background(self._queue_load, decision, -1)
-                            worker = (decision.prefill or decision.decode).address
-                            self.metrics.prefill_wait.labels(decision.kind, worker).observe(time.monotonic() - placed)
+                            waited = time.monotonic() - placed
+                            self.metrics.prefill_wait.labels(decision.kind, prefilling.address).observe(waited)
                         emitted = emitted or isinstance(event, Tokens)
                         yield event
                 return
@@ -271,7 +271,7 @@ class Dispatcher:
                 if added:
                     in_background(self._add_load, decision, -1)
                 if queued:
-                    self.drains.prefilled(prefiller, drain, observe=False)
+                    self.drains.prefilled(prefilling.worker_id, drain, observe=False)
                     in_background(self._queue_load, decision, -1)
                 in_background(self._unplace, decision, seats, loop)
 
