@@ -35,10 +35,7 @@ def encode_transfer(
     for frame in frames:
         messages += frame_messages(transfer_id, frame, budget)
     first = int(logits.argmax())
-    states = [b""] * params.n
-    messages.append(
-        end_message(transfer_id, ids, [first] * params.n, config, params, states, len(messages) - 1, Stats())
-    )
+    messages.append(end_message(transfer_id, ids, [first] * params.n, config, params, len(messages) - 1, Stats()))
     return cache, messages
 
 

@@ -102,6 +102,7 @@ class Sequence:
     prompt_ids: list[int] = field(default_factory=list)
     cache_salt: str = ""
     depths: bool = False  # a local prefill's first choice reports token depths (return_token_depths)
+    replayed: list[int] = field(default_factory=list)  # a local continuation's tokens so far (generated_ids)
     arrived_s: float = field(default_factory=time.monotonic)  # a local prefill's wait counts from here
 
     def __post_init__(self):
@@ -230,22 +231,22 @@ class Scheduler:
             active = list(self._active)
         return sum(sequence.bytes_held for sequence in active)
 
-    def close(self) -> None:
-        """Fail what is running and stop; a second call does nothing."""
+    def close(self, reason: str = "the decode worker is shutting down") -> None:
+        """Fail what is running (its streams end with `reason`) and stop; a second call does nothing."""
         with self._lock:
             closed, self._closed = self._closed, True
         if closed:
             return
-        self.compute.call(self._shutdown)
+        self.compute.call(self._shutdown, reason)
         if self._owns_compute:
             self.compute.close()
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, reason: str) -> None:
         self.compute.undrive(self._tick)
         with self._lock:
             active, self._active = self._active, []
         for sequence in active:
-            sequence.outbox.put(ChoiceFailed(sequence.index, "the decode worker is shutting down"))
+            sequence.outbox.put(ChoiceFailed(sequence.index, reason))
 
     def _tick(self) -> float | None:
         """One round, as the compute thread's driver: how long it may wait for a job before the next."""
@@ -334,6 +335,7 @@ class Scheduler:
         # Every choice decodes from the one prefill and joins the batch from here.
         decodings = choice_decodings(run.cache, run.config, sequence.params, sequence.prompt_ids, self.grammars, stats)
         decodings[0].depths = sequence.depths
+        decodings[0].replay(sequence.replayed)  # checked when it arrived (DecodeServicer._replayed)
         siblings = [sequence] + [
             Sequence(
                 sequence.request_id,

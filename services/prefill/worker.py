@@ -178,7 +178,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
         try:
             # On the compute thread; this handler waits, then waits for the decode worker's reply.
-            samplers, firsts, stats = self.compute.call(self._compute, request, ids, config, params, on_layer)
+            firsts, stats = self.compute.call(self._compute, request, ids, config, params, on_layer)
             waited = time.perf_counter()
             reply = sender.finish(
                 lambda num_frames: end_message(
@@ -187,7 +187,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                     [first.token for first in firsts],
                     config,
                     params,
-                    [sampler.state() for sampler in samplers],
                     num_frames,
                     stats,
                 )
@@ -219,9 +218,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             prefix_evictions=0 if self.prefix is None else self.prefix.cache.evictions,
         )
 
-    def _compute(self, request, ids: torch.Tensor, config, params, on_layer) -> tuple[list[Sampler], list, Stats]:
-        """The engine's part of a request: each choice's sampler, the prefill (its frames go to
-        `on_layer` as it runs), its stats, and each choice's first token."""
+    def _compute(self, request, ids: torch.Tensor, config, params, on_layer) -> tuple[list, Stats]:
+        """The engine's part of a request: the prefill (its frames go to `on_layer` as it runs),
+        and each choice's first token (Sampled) with the prefill's stats."""
         # Each choice's sampler first: a grammar that does not compile is refused before any work.
         grammars = self.loaded.grammars
         try:
@@ -234,7 +233,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         logits = run.logits
         del run  # the decode worker gets its own copy of the cache; this one is not needed past here
         # Each choice's first token from the one prefill, with its own generator.
-        return samplers, [sampler.choose(logits) for sampler in samplers], stats
+        return [sampler.choose(logits) for sampler in samplers], stats
 
 
 def start_prefill_worker(

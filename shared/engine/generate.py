@@ -5,6 +5,7 @@ Token ids in, token ids out: this module knows nothing about tokenization or cha
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -51,6 +52,8 @@ class Decoding:
         self.sampler = sampler or Sampler(params, prompt_ids=prompt_ids)
         self.next_token: int | None = None  # chosen and not yet fed to the model
         self.done = False
+        # A continuation's tokens so far (`replay`), taken in place of sampling, one per step.
+        self.replayed: collections.deque[int] = collections.deque()
         self.depths = False  # report token depths in the stats at the end (return_token_depths)
         self._start = time.perf_counter()
 
@@ -73,8 +76,26 @@ class Decoding:
             self.next_token = token
         return True
 
+    def replay(self, tokens: list[int]) -> None:
+        """Continue a choice whose first `tokens` were generated elsewhere (a worker that failed):
+        the next steps take them in turn instead of sampling and output nothing, so the cache,
+        the selection and the sampler's counts go through the same states as the first run did.
+        A decode step's row does not depend on its batch under --batch-invariant, so a greedy
+        continuation then equals the uninterrupted answer bit for bit."""
+        if len(self.generation.tokens) + len(tokens) >= self.params.max_new_tokens:
+            raise ValueError(
+                f"{len(tokens)} tokens to replay leave nothing of max_new_tokens {self.params.max_new_tokens}"
+            )
+        if stops := set(tokens) & set(self.params.stop_token_ids):
+            raise ValueError(f"tokens to replay include the stop token {min(stops)}")
+        self.replayed.extend(tokens)
+
     def advance(self, logits: torch.Tensor) -> Sampled | None:
-        """Sample from `logits` [vocab]; the token to output, or None when it was a stop token."""
+        """Sample from `logits` [vocab]; the token to output, or None when it was a stop token or
+        a replayed one (not output again)."""
+        if self.replayed:
+            self.accept(self.replayed.popleft())
+            return None
         sampled = self.sampler.choose(logits)
         return sampled if self.accept(sampled) else None
 
@@ -115,16 +136,14 @@ def run_decoding(
     try:
         if first_token is None:
             sampled = decoding.advance(first_logits)
-            if sampled is None:
-                return
-            yield sampled.token
-        elif not decoding.accept(first_token):
-            return
-        while not decoding.done:
+            if sampled is not None:
+                yield sampled.token
+        else:
+            decoding.accept(first_token)
+        while not decoding.done:  # a stop token ends it; a replayed token is not yielded again
             sampled = decoding.advance(decode_step(model, cache, decoding.next_token, config))
-            if sampled is None:
-                return
-            yield sampled.token
+            if sampled is not None:
+                yield sampled.token
     finally:
         decoding.close(model.spec.num_layers)
 
@@ -136,18 +155,17 @@ def choice_decodings(
     prompt_ids,
     grammars=None,
     prefill_stats: Stats | None = None,
-    states: list[bytes] | None = None,
 ) -> list[Decoding]:
     """One Decoding per choice (params.n) from one prefilled cache: the first keeps `cache`, the
-    others get copies taken before any decodes; each has its own sampler (seeded seed + i; with
-    `states`, a transfer's generator states) and a Generation starting from the prefill's figures."""
+    others get copies taken before any decodes; each has its own sampler (seeded seed + i) and a
+    Generation starting from the prefill's figures."""
     require_compute_thread("a request's choices")
     choices = params.choices()
     caches = [cache] + [cache.fork() for _ in choices[1:]]
     decodings = []
-    for choice, own, state in zip(choices, caches, states or [b""] * len(choices)):
+    for choice, own in zip(choices, caches):
         stats = dataclasses.replace(prefill_stats, completion_tokens=0) if prefill_stats else Stats()
-        sampler = Sampler(choice, state, prompt_ids, grammars)
+        sampler = Sampler(choice, prompt_ids, grammars)
         decodings.append(Decoding(own, config, choice, Generation(stats=stats), sampler))
     return decodings
 

@@ -51,27 +51,36 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded choice's token at `position` (0: its first generated token):
+    splitmix64 of the pair, so that neighbouring seeds and positions give unrelated streams."""
+    mask = 2**64 - 1
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
 class Sampler:
     """One sequence's token chooser: the request's parameters, its generator, and what the
     penalties need (the prompt's tokens and the counts of those generated so far).
 
-    The generator's state travels with a KV transfer, so seeded sampling continues on the decode
-    worker exactly where the prefill worker left it; the decode worker rebuilds the rest from the
-    prompt ids and the first token, which it `observe`s like every other.
+    A seeded choice draws its token at position k from a generator seeded by (seed, k), not from
+    one stream that runs on: token k is drawn the same way on any worker, whatever drew the
+    tokens before it, so a prefill worker's first token, the decode worker's next ones and a
+    continuation placed on another worker after a failure (services.router.dispatch) are one
+    random stream. A decode worker rebuilds the rest from the prompt ids and the tokens so far,
+    which it `observe`s.
     """
 
-    def __init__(self, params: SamplingParams, state: bytes = b"", prompt_ids=(), grammars: Grammars | None = None):
+    def __init__(self, params: SamplingParams, prompt_ids=(), grammars: Grammars | None = None):
         self.params = params
         self.matcher = None
         if params.grammar is not None:
             if grammars is None:
                 raise GrammarError("structured output needs the model's tokenizer, which this process does not have")
             self.matcher = grammars.matcher(params.grammar)
-        self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
-            if state:
-                self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self.generator = None if params.seed is None else torch.Generator()
         self.generated = 0
         self._prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long).unique()
         self._output: dict[int, int] = {}  # token -> times generated
@@ -118,6 +127,8 @@ class Sampler:
         # model): the generator is a CPU one, so a seeded stream is the same on CPU and GPU workers
         # and its state travels in a transfer between them; one row of logits is cheap to move.
         logits = logits.float().cpu()
+        if self.generator is not None:
+            self.generator.manual_seed(position_seed(self.params.seed % 2**64, self.generated))
         token = sample(self.process(logits), self.params, self.generator)
         if self.params.logprobs is None:
             return Sampled(token)
@@ -130,6 +141,3 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         return self.choose(logits).token
-
-    def state(self) -> bytes:
-        return b"" if self.generator is None else self.generator.get_state().numpy().tobytes()

@@ -28,7 +28,6 @@ from shared.engine.cache import BoundaryStates
 from shared.transfer.tensors import FrameError, dtype_name, frame_checksum, positions_tensor, tensor_from_pb
 
 MAX_TRANSFER_ID = 128
-SAMPLER_STATE_BYTES = torch.Generator().get_state().numel()
 
 
 @dataclass
@@ -40,7 +39,6 @@ class Assembled:
     first_tokens: list[int]  # one per choice (params.n)
     config: PruneConfig
     params: SamplingParams
-    sampler_states: list[bytes]  # one per choice
     prefill_stats: Stats
 
 
@@ -165,17 +163,12 @@ class TransferAssembler:
         check_token_ids(end.first_tokens, spec.vocab_size, "first_tokens")
         config = pruning_from_pb(end.pruning, spec)
         params = sampling_from_pb(end.sampling, spec.vocab_size)
-        if len(end.first_tokens) != params.n or len(end.sampler_states) != params.n:
-            raise FrameError(
-                f"sampling.n is {params.n}: {len(end.first_tokens)} first_tokens and {len(end.sampler_states)} "
-                "sampler_states (one of each per choice)"
-            )
+        if len(end.first_tokens) != params.n:
+            raise FrameError(f"sampling.n is {params.n}: {len(end.first_tokens)} first_tokens (one per choice)")
         if n + params.max_new_tokens > self.max_prompt:
             raise FrameError(
                 f"{n} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the context of {self.max_prompt}"
             )
-        if any(state and (params.seed is None or len(state) != SAMPLER_STATE_BYTES) for state in end.sampler_states):
-            raise FrameError(f"a sampler_state must be empty, or {SAMPLER_STATE_BYTES} bytes with a seed")
         if self.boundary_layer is not None:
             self._close_boundary(cache, config, params.max_new_tokens)
         # Room for the generated tokens now, on the receiving thread, not at the first decode steps.
@@ -186,7 +179,6 @@ class TransferAssembler:
             list(end.first_tokens),
             config,
             params,
-            list(end.sampler_states),
             stats_from_pb(end.prefill_stats),
         )
 

@@ -75,7 +75,6 @@ def end_message(
     first_tokens: Sequence[int],
     config: PruneConfig,
     params: SamplingParams,
-    sampler_states: Sequence[bytes],
     num_frames: int,
     prefill_stats: Stats,
 ) -> pb.TransferMessage:
@@ -86,7 +85,6 @@ def end_message(
             first_tokens=list(first_tokens),
             pruning=pruning_to_pb(config),
             sampling=sampling_to_pb(params),
-            sampler_states=list(sampler_states),
             num_frames=num_frames,
             prefill_stats=stats_to_pb(prefill_stats),
         )

@@ -197,7 +197,7 @@ class KVFrame(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., aux_positions: _Optional[_Iterable[int]] = ..., aux_hidden: _Optional[_Union[Tensor, _Mapping]] = ..., crc32c: _Optional[int] = ..., query_positions: _Optional[_Iterable[int]] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ..., boundary_positions: _Optional[_Iterable[int]] = ..., boundary_hidden: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class TransferEnd(_message.Message):
-    __slots__ = ("transfer_id", "prompt_ids", "pruning", "sampling", "num_frames", "prefill_stats", "first_tokens", "sampler_states")
+    __slots__ = ("transfer_id", "prompt_ids", "pruning", "sampling", "num_frames", "prefill_stats", "first_tokens")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PRUNING_FIELD_NUMBER: _ClassVar[int]
@@ -205,7 +205,6 @@ class TransferEnd(_message.Message):
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_STATS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLER_STATES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     pruning: PruneConfig
@@ -213,8 +212,7 @@ class TransferEnd(_message.Message):
     num_frames: int
     prefill_stats: GenerationStats
     first_tokens: _containers.RepeatedScalarFieldContainer[int]
-    sampler_states: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, transfer_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_frames: _Optional[int] = ..., prefill_stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., first_tokens: _Optional[_Iterable[int]] = ..., sampler_states: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_frames: _Optional[int] = ..., prefill_stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., first_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferMessage(_message.Message):
     __slots__ = ("header", "frame", "end")
@@ -291,18 +289,20 @@ class LocalPrompt(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[PruneConfig, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "prompt", "cache_salt", "return_token_depths")
+    __slots__ = ("request_id", "transfer_id", "prompt", "cache_salt", "return_token_depths", "generated_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKEN_DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     prompt: LocalPrompt
     cache_salt: str
     return_token_depths: bool
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt: _Optional[_Union[LocalPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., return_token_depths: _Optional[bool] = ...) -> None: ...
+    generated_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt: _Optional[_Union[LocalPrompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., return_token_depths: _Optional[bool] = ..., generated_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "stats", "logprobs", "index", "prefill_rate")

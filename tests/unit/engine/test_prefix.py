@@ -175,7 +175,7 @@ def test_a_prefill_from_a_hit_streams_a_whole_transfer(tiny_llama):
         messages += frame_messages("t", frame, 1 << 20)
     params = SamplingParams(max_new_tokens=2)
     first = int(run.logits.argmax())
-    messages.append(end_message("t", prompt.tolist(), [first], MULTI, params, [b""], len(messages) - 1, Stats()))
+    messages.append(end_message("t", prompt.tolist(), [first], MULTI, params, len(messages) - 1, Stats()))
     got = assemble(tiny_llama, messages).cache
     for mine, theirs in zip(got.layers, run.cache.layers):
         assert torch.equal(mine.positions, theirs.positions) and torch.equal(mine.k, theirs.k)
@@ -257,7 +257,7 @@ def _transfer(tiny_llama, run, frames, prompt, config, budget=1 << 20):
         messages += frame_messages("t", frame, budget)
     first = int(run.logits.argmax())
     params = SamplingParams(max_new_tokens=4)
-    messages.append(end_message("t", prompt.tolist(), [first], config, params, [b""], len(messages) - 1, Stats()))
+    messages.append(end_message("t", prompt.tolist(), [first], config, params, len(messages) - 1, Stats()))
     return messages
 
 
