@@ -27,7 +27,7 @@ BATCH_OPTIONS = [*WORKER_ENGINE, *engine_options("chat_template")]
 DECODE_OPTIONS = [
     *WORKER_ENGINE,
     *SLO_OPTIONS,
-    *(Option(DecodeSettings, field) for field in ("host", "port", "prefill_growth")),
+    *(Option(DecodeSettings, field) for field in ("host", "port", "prefill_growth", "drain_seconds")),
 ]
 PREFILL_OPTIONS = [
     *WORKER_ENGINE,
@@ -40,6 +40,7 @@ GATEWAY_OPTIONS = [
     *SLO_OPTIONS,
     *(Option(GatewaySettings, field) for field in ("host", "port", "prefill_workers", "decode_workers")),
     *(Option(GatewaySettings, field) for field in ("routing", "local_threshold", "route_by_wait", "redis_url")),
+    *(Option(GatewaySettings, field) for field in ("migration_limit", "migration_max_tokens")),
 ]
 
 

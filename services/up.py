@@ -8,6 +8,10 @@ prints the URL and an example request, then supervises:
   30 s; meanwhile the gateway routes around a dead worker (a request that fails on it before its
   first token is retried on another). Too many restarts in a row (5 within 5 minutes) stop the
   stack and `up` exits 1;
+- on SIGHUP it restarts every decode worker, one at a time (a rolling restart: a new setting, a
+  new build): each drains (SIGTERM: no new request, its streams' grace period, then the rest
+  handed to the gateway, which continues them on another worker) and is started again, and the
+  next one goes only once it is ready;
 - on Ctrl-C or SIGTERM every child stops, process group and all (a child's local Ray too);
 - if `up` itself dies, even by SIGKILL, each child sees its lifeline pipe close and stops itself
   (shared.net.lifecycle.watch_lifeline), so nothing is left holding the ports.
@@ -115,9 +119,13 @@ class Stack:
 
         threading.Thread(target=drain, daemon=True).start()
 
-    def supervise(self, stop: threading.Event) -> int:
-        """Restart children that die, until asked to stop (0) or restarts keep failing (1)."""
+    def supervise(self, stop: threading.Event, roll: threading.Event | None = None) -> int:
+        """Restart children that die, until asked to stop (0) or restarts keep failing (1); a
+        rolling restart of the decode workers whenever `roll` is set."""
         while not stop.wait(0.25):
+            if roll is not None and roll.is_set():
+                roll.clear()
+                self.roll("decode-worker", "decode", stop)
             now = time.monotonic()
             for child in self.children:
                 if child.restart_at is not None:
@@ -140,6 +148,33 @@ class Stack:
                 console.print(f"[red]{child.name} exited ({code}); restarting in {delay:.0f} s")
                 child.restart_at = now + delay
         return 0
+
+    def roll(self, command: str, kind: str, stop: threading.Event, timeout: float = 600.0) -> None:
+        """Restart the running children of `command` one at a time, each drained by SIGTERM and
+        waited for until ready before the next. One that does not come back is left to the
+        supervisor's restarts."""
+        for child in [c for c in self.children if c.command == command and c.restart_at is None]:
+            if stop.is_set():
+                return
+            console.print(f"[yellow]rolling restart: draining {child.name}")
+            started = time.monotonic()
+            _signal_group(child.process, signal.SIGTERM)
+            try:
+                child.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                console.print(f"[red]{child.name} did not drain in {timeout:.0f} s: killed")
+            _signal_group(child.process, signal.SIGKILL)
+            child.process.wait()
+            drained = time.monotonic() - started
+            self._spawn(child)
+            try:
+                address = self.wait_ready(child, kind, 1, timeout)[0]
+            except RuntimeError as error:
+                console.print(f"[red]rolling restart: {error}")
+                continue
+            console.print(f"[green]{child.name} is back on {address} (drained in {drained:.1f} s)")
+            print(f"RESTARTED {child.name} drained_s={drained:.2f}", flush=True)
+        print("ROLLED", flush=True)
 
     def stop(self, timeout: float = 20.0) -> None:
         live = [(child.name, child.process) for child in reversed(self.children) if child.process is not None]
@@ -211,6 +246,8 @@ UP_OPTIONS = [
     Option(GatewaySettings, "route_by_wait"),
     Option(PrefillSettings, "niceness", "--prefill-niceness"),
     Option(DecodeSettings, "prefill_growth"),
+    Option(DecodeSettings, "drain_seconds"),
+    Option(GatewaySettings, "migration_limit"),
     *(Option(UpSettings, field) for field in ("decode_workers", "decode_port", "prefill_actors", "prefill_port")),
 ]
 
@@ -221,9 +258,10 @@ def up(values: dict[Option, object]) -> int:
     gateway_values = of(values, GatewaySettings)
     gateway = GatewaySettings(**fields_of(values, GatewaySettings))
     stack = Stack(environment(of(values, EngineSettings)))  # every process: all agree on the engine
-    stop = threading.Event()
+    stop, roll = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: roll.set())
     try:
         with console.status("starting decode workers and prefill actors (the first start converts the model, ~30 s)"):
             decoders = [
@@ -260,11 +298,12 @@ def up(values: dict[Option, object]) -> int:
             f"  in a browser: {url}/  (playground, compare, where the prompt went, the service)\n\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
             f'    -d \'{{"messages": [{{"role": "user", "content": "Say hello"}}], "max_tokens": 32}}\'\n\n'
-            f"  metrics: {url}/metrics   health: {url}/health\n",
+            f"  metrics: {url}/metrics   health: {url}/health\n"
+            f"  rolling restart of the decode workers: kill -HUP {os.getpid()}\n",
             highlight=False,
             soft_wrap=True,  # never wrapped at the console's width: the example must paste as it is
         )
-        return stack.supervise(stop)
+        return stack.supervise(stop, roll)
     except RuntimeError as error:
         console.print(f"[red]{error}")
         return 1

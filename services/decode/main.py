@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from services.decode.server import start_decode_worker
 from services.decode.settings import DecodeSettings
@@ -35,9 +36,15 @@ def serve(settings: DecodeSettings) -> int:
         heartbeat = Heartbeat(settings.redis_url, info, settings.heartbeat_ttl_s)
     print(f"READY decode {worker.address}", flush=True)
     wait_for_signal()
-    log.info("stopping decode worker on %s", worker.address)
+    # Draining: not ready at once (probes, the registry), nothing new admitted, the running
+    # streams' grace period, then the rest handed over to the gateways by migration.
+    log.info("draining decode worker on %s (up to %g s)", worker.address, settings.drain_seconds)
+    worker.not_ready()
     if heartbeat is not None:
         heartbeat.stop()
+    started = time.monotonic()
+    handed = worker.servicer.drain(settings.drain_seconds)
+    log.info("drained in %.1f s; %d sequences handed over; stopping", time.monotonic() - started, handed)
     worker.stop()
     compute.close()
     shutdown_tracing()

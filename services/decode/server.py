@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 import uuid
 from collections import deque
 from concurrent.futures import Future
@@ -36,7 +37,15 @@ from shared.engine import (
 )
 from shared.engine.grammar import GrammarError
 from shared.models.weights import LoadedModel
-from shared.net.rpc import Cancelled, InvalidArgument, RunningServer, Unavailable, make_server, start_serving
+from shared.net.rpc import (
+    DRAINING,
+    Cancelled,
+    InvalidArgument,
+    RunningServer,
+    Unavailable,
+    make_server,
+    start_serving,
+)
 from shared.net.telemetry import extract_context, tracer
 from shared.transfer import FrameError, TransferAssembler, payload_bytes, stats_to_pb, verify_checksum
 
@@ -70,6 +79,23 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.default_pruning = loaded.engine.spec.preset(settings.engine.pruning_preset)
         # OpenMP keeps the count per thread: the engine thread's is the one that computes.
         self.torch_threads = self.scheduler.call(torch.get_num_threads)
+        self.draining = False  # set by drain: new transfers and requests are refused
+
+    def drain(self, seconds: float) -> int:
+        """Take nothing new, let the running streams go on for up to `seconds`, then end the rest
+        with UNAVAILABLE and the DRAINING reason, which the gateway answers by migrating each
+        (services.router.dispatch). Returns how many sequences were handed over so."""
+        self.draining = True
+        deadline = time.monotonic() + seconds
+        while self.scheduler.num_active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        handed = self.scheduler.num_active
+        self.scheduler.close(f"{DRAINING}: its grace period of {seconds:g} s ended; the stream goes on elsewhere")
+        return handed
+
+    def _check_admitting(self) -> None:
+        if self.draining:
+            raise Unavailable(f"{DRAINING}: it takes no new request")
 
     # ------------------------------------------------------------------ PushKV
     def PushKV(self, request_iterator, context):
@@ -83,6 +109,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def _push(self, request_iterator, context):
         spec = self.model.spec
         assembler = TransferAssembler(self.loaded.name, spec, self.model.dtype, self.model.device, spec.max_positions)
+        self._check_admitting()
         first = next(request_iterator, None)
         try:
             if first is None or first.WhichOneof("kind") != "header":
@@ -152,6 +179,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             span.end()
 
     def _generate(self, request, context, started: list):
+        self._check_admitting()
         # The request's setup (a claimed cache's choices, a prefix lookup) is the engine's work.
         sequences = self.scheduler.call(self._start, request)
         started.extend(sequences)
@@ -209,16 +237,18 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     assembled.prompt_ids,
                     self.loaded.grammars,
                     assembled.prefill_stats,
-                    assembled.sampler_states,
                 )
             except GrammarError as error:
                 raise InvalidArgument(f"sampling.grammar: {error}") from None
             decodings[0].depths = request.return_token_depths
+            first_tokens = assembled.first_tokens
+            if request.generated_ids:  # a continuation: its own tokens so far, not the prefill's first
+                replayed = self._replayed(request, assembled.params)
+                first_tokens = replayed[:1]
+                _replay(decodings[0], replayed[1:])
             if self.prefix is not None:  # now, not when it finishes: the next question may come first
                 self._remember_transfer(assembled, request.cache_salt)
-            return Sequence.resumed(
-                request_id, decodings, assembled.first_tokens, assembled.prompt_ids, request.cache_salt
-            )
+            return Sequence.resumed(request_id, decodings, first_tokens, assembled.prompt_ids, request.cache_salt)
         if source == "prompt":
             ids, config, params = self._local_request(request.prompt)
             if params.grammar is not None:  # checked here: on the engine thread a failure would hit the batch
@@ -232,8 +262,27 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             )
             sequence = Sequence.local(request_id, run, params, request.cache_salt)
             sequence.depths = request.return_token_depths
+            sequence.replayed = self._replayed(request, params)
             return [sequence]
         raise InvalidArgument("GenerateRequest needs a transfer_id or a prompt")
+
+    def _replayed(self, request: pb.GenerateRequest, params: SamplingParams) -> list[int]:
+        """A continuation's tokens so far, checked before any work (the gateway sends only what
+        the failed worker generated; anything else is a caller's error)."""
+        tokens = list(request.generated_ids)
+        if not tokens:
+            return []
+        if params.n != 1:
+            raise InvalidArgument(f"generated_ids continue one choice; sampling.n is {params.n}")
+        if len(tokens) >= params.max_new_tokens:
+            raise InvalidArgument(
+                f"generated_ids holds {len(tokens)} tokens: nothing is left of max_new_tokens {params.max_new_tokens}"
+            )
+        if max(tokens) >= self.model.spec.vocab_size:
+            raise InvalidArgument(f"generated_ids has a token outside the vocabulary of {self.model.spec.vocab_size}")
+        if stops := set(tokens) & set(params.stop_token_ids):
+            raise InvalidArgument(f"generated_ids has the stop token {min(stops)}: that choice had finished")
+        return tokens
 
     def _remember_transfer(self, assembled, salt: str) -> None:
         try:
@@ -321,6 +370,13 @@ class _FrameJobs:
         self.pending.clear()
 
 
+def _replay(decoding, tokens: list[int]) -> None:
+    try:
+        decoding.replay(tokens)
+    except ValueError as error:
+        raise InvalidArgument(f"generated_ids: {error}") from None
+
+
 def _response(tokens: list[Sampled], index: int) -> pb.GenerateResponse:
     response = pb.GenerateResponse(token_ids=[sampled.token for sampled in tokens], index=index)
     if tokens and tokens[0].logprob is not None:  # the request asked for logprobs
@@ -338,4 +394,4 @@ def start_decode_worker(
     pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     address = start_serving(server, health, settings.host, settings.port, settings.advertise_host, [SERVICE], auth)
     log.info("decode worker serving %s on %s", loaded.name, address)
-    return RunningServer(server, servicer, address)
+    return RunningServer(server, servicer, address, health)

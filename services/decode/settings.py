@@ -34,3 +34,9 @@ class DecodeSettings(WorkerSettings):
         "times max_batch_tokens (services.decode.budget; 1: never; --itl-slo caps it)",
     )
     grpc_workers: int = Field(160, ge=4, description="server threads: one per open stream")
+    drain_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM: how long running streams may go on before the rest are handed over to the "
+        "gateways (which continue them on another worker); nothing new is taken meanwhile",
+    )

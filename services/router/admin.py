@@ -92,6 +92,8 @@ async def status(caller: Caller = Authorized, gateway: Gateway = Held):
             # Where a pruning stage may sit (None: any layer; else the global layers).
             "stage_layers": text.spec.stage_layers,
         },
+        # Serving without Redis: the workers last seen and this gateway's own counts (fallback.py).
+        "degraded": gateway.degraded,
         "in_flight": gateway.admission.in_flight,
         # Requests waiting for a worker's room or their key's bound (services.router.admission).
         "queue": {

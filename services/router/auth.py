@@ -2,6 +2,10 @@
 
 Keys are random tokens, not passwords, so a fast unsalted hash is enough to keep them out of
 memory dumps and Redis; a slow KDF would only slow every request.
+
+While Redis cannot be reached, a key Redis accepted before is accepted still (a key revoked
+meanwhile is refused once Redis answers again); a key the gateway has never seen cannot be
+checked, and gets a 503 that says so rather than a 401 that would call a good key bad.
 """
 
 from __future__ import annotations
@@ -28,15 +32,27 @@ def add_key(client: redis.Redis, key: str) -> None:
     client.sadd(API_KEYS, hash_key(key))
 
 
+class KeyUnverifiable(Exception):
+    """A key only Redis could vouch for, while Redis cannot be reached (503)."""
+
+
 class KeyStore:
     def __init__(self, keys: list[str], required: bool, client: redis.Redis | None = None):
         self.hashes = [hash_key(key) for key in keys]
         self.required, self.client = required, client
+        self._vouched: set[str] = set()  # hashes Redis accepted: what a Redis outage still accepts
+        self._stored_any = False  # whether Redis held any key when last asked
 
     def enabled(self) -> bool:
         if self.required or self.hashes:
             return True
-        return self.client is not None and self.client.scard(API_KEYS) > 0
+        if self.client is None:
+            return False
+        try:
+            self._stored_any = self.client.scard(API_KEYS) > 0
+        except redis.RedisError:
+            pass  # as it was when Redis last answered
+        return self._stored_any
 
     def caller(self, presented: str | None, address: str) -> str | None:
         """Who is asking, for the per-caller limit: the key's hash when keys are on (None if the key
@@ -65,7 +81,18 @@ class KeyStore:
         for stored in self.hashes:
             matched |= hmac.compare_digest(stored, digest)
         if not matched and self.client is not None:
-            matched = bool(self.client.sismember(API_KEYS, digest))
+            try:
+                matched = bool(self.client.sismember(API_KEYS, digest))
+            except redis.RedisError:
+                if digest in self._vouched:
+                    return True
+                raise KeyUnverifiable(
+                    "the API key cannot be checked while shared state (Redis) is unavailable; retry shortly"
+                ) from None
+            if matched:
+                self._vouched.add(digest)
+            else:
+                self._vouched.discard(digest)
         return matched
 
 

@@ -129,15 +129,22 @@ async def generate_on(
     parent: otel_context.Context | None = None,
     cache_salt: str = "",
     token_depths: bool = False,
+    generated: list[int] | None = None,
 ) -> AsyncIterator[Prefilled | Tokens | Finished]:
     """One attempt at a request on these workers (deadline: time.monotonic() based); cache_salt:
-    the prefix cache's tenant (the gateway's, from the API key)."""
+    the prefix cache's tenant (the gateway's, from the API key); generated: a migrated choice's
+    tokens so far (the worker replays them; a prefill's first token is then not the answer's)."""
+    generated = list(generated or ())
     pruning_pb, sampling_pb = pruning_to_pb(pruning), sampling_to_pb(sampling)
     call = _Call(channels, deadline, parent)
     if prefill is None:
         prompt = pb.LocalPrompt(prompt_ids=ids, pruning=pruning_pb, sampling=sampling_pb)
         request = pb.GenerateRequest(
-            request_id=request_id, prompt=prompt, cache_salt=cache_salt, return_token_depths=token_depths
+            request_id=request_id,
+            prompt=prompt,
+            cache_salt=cache_salt,
+            return_token_depths=token_depths,
+            generated_ids=generated,
         )
     else:
         transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
@@ -154,10 +161,15 @@ async def generate_on(
             ),
         )
         yield Prefilled(reply)
-        for event in _first_tokens(reply, sampling):
-            yield event
+        if not generated:
+            for event in _first_tokens(reply, sampling):
+                yield event
         request = pb.GenerateRequest(
-            request_id=request_id, transfer_id=transfer_id, cache_salt=cache_salt, return_token_depths=token_depths
+            request_id=request_id,
+            transfer_id=transfer_id,
+            cache_salt=cache_salt,
+            return_token_depths=token_depths,
+            generated_ids=generated,
         )
     # aclosing: a consumer that leaves early cancels the Generate call now, not at finalization.
     async with aclosing(call.generate(decode, request, sampling.n)) as events:

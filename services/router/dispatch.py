@@ -1,4 +1,5 @@
-"""One request through the workers: place, prefill (or not), generate, retry before the first token.
+"""One request through the workers: place, prefill (or not), generate, retry before the first
+token, migrate after it.
 
 Each attempt is client.generate_on, the one client of the worker services. Before each, the
 request is placed: routed (the policy) to a decode worker with room for its choices, whose
@@ -9,14 +10,21 @@ failure.
 
 Async (grpc.aio) so the gateway's event loop carries many streams. Yields the Decision, Tokens as
 they arrive and one Finished per choice. A failure before any token was yielded is retried once on
-other workers; after that it is raised for the gateway to report. Closing the iterator (a client
-that went away, a stop string) cancels the downstream calls, and the decode worker frees the
-sequences.
+other workers. After it, each unfinished choice migrates (services.router.migration): a
+continuation with its tokens so far, its own seed and the same limits is placed through the
+queue on a live worker, which replays those tokens and goes on, up to `migration_limit` times;
+past that, or for an error of the request itself, it is raised for the gateway to report. A
+worker that failed is left out of placement until its health check answers (services.router.down),
+so a continuation waits for a restarting worker when no other is live. Closing the iterator (a
+client that went away, a stop string) cancels the downstream calls, and the decode worker frees
+the sequences.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,11 +33,14 @@ from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from services.router.admission import AdmissionQueue, Full, in_background, off_loop
 from services.router.client import Channels, Finished, Prefilled, Tokens, UpstreamError, WorkerFailed, generate_on
+from services.router.down import DownWorkers
 from services.router.drains import Drains
 from services.router.metrics import GatewayMetrics
+from services.router.migration import MIGRATED, Broken, Kept, merged
 from services.router.policy import Decision, NoWorkerError
 from services.router.prefixes import PrefixIndex, prompt_keys
 from services.router.tracing import annotate_decision
@@ -50,6 +61,8 @@ UNBOUNDED = 1 << 30
 # After a worker refused for want of room, the request waits this long (doubling) before its turn
 # comes again, so a worker that is fuller than the gateways count is not asked in a tight loop.
 FULL_BACKOFF_S = (0.05, 1.0)
+# A continuation with no live decode worker to go to (the only one is restarting) looks again this often.
+NO_WORKER_WAIT_S = 0.5
 
 
 class DeadlineError(Exception):
@@ -83,6 +96,8 @@ class _Tries:
             self.refusals += 1
             await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             return
+        if emitted and error.code() in MIGRATED:
+            raise Broken(failure) from None
         if emitted or self.retries >= self.max_retries or error.code() in NOT_RETRIED:
             raise UpstreamError(message) from None
         log.warning("request %s: %s; retrying on another worker", request_id, message)
@@ -104,10 +119,14 @@ class Dispatcher:
         attempt=generate_on,
         prefixes: PrefixIndex | None = None,
         queue: AdmissionQueue | None = None,
+        migration_limit: int = 3,
+        migration_max_tokens: int = 4096,
     ):
         self.workers, self.policy, self.text, self.metrics, self.retries = workers, policy, text, metrics, retries
+        self.migration_limit, self.migration_max_tokens = migration_limit, migration_max_tokens
         self.queue = queue or AdmissionQueue(metrics, max_queued=1024)  # the gateway's, shared with its Admission
         self.channels = Channels(auth)
+        self.down = DownWorkers(auth)  # workers a call found gone, until their health check answers
         self.attempt = attempt  # client.generate_on; the retry tests give a scripted one
         self.prefixes = prefixes  # which worker holds which prompt start; None: no prefix caching
         # Each worker's prefill rate as it last reported it (with a prefill's reply or first token),
@@ -192,6 +211,7 @@ class Dispatcher:
         """Route to a decode worker with room for the prompt's choices and take that room; Full when
         none has it. Blocking (Redis): run off the event loop."""
         seats = prepared.sampling.n
+        exclude = exclude | self.down.excluded()
         decoders = self._decoders(exclude)
         held = self.workers.loads(SEQUENCES)
         capacity = {w.worker_id: self.workers.capacity(w) for w in decoders}
@@ -229,6 +249,86 @@ class Dispatcher:
         caller: str = "",
     ) -> AsyncIterator[Decision | Tokens | Finished]:
         """caller: whose turn in the admission queue this request waits for."""
+        kept = Kept(prepared.sampling.n, self.migration_max_tokens)
+        try:
+            async with aclosing(self._attempts(prepared, request_id, deadline, parent, caller)) as events:
+                async for event in events:
+                    kept.note(event)
+                    yield event
+            return
+        except Broken as broken:
+            failure = broken
+        # Each unfinished choice goes on alone, on whichever live worker has room for one.
+        continuations = [
+            self._continue(prepared, index, kept, failure, request_id, deadline, parent, caller)
+            for index in kept.unfinished()
+        ]
+        async with aclosing(merged(continuations)) as events:
+            async for event in events:
+                yield event
+
+    async def _continue(
+        self, prepared: Prepared, index: int, kept: Kept, broken: Broken, request_id, deadline, parent, caller
+    ) -> AsyncIterator[Decision | Tokens | Finished]:
+        """Choice `index` of a request whose worker failed after its first token, continued on a
+        live worker: its own parameters (n 1, seed + index), its tokens so far replayed there."""
+        choice = dataclasses.replace(prepared, sampling=prepared.sampling.choices()[index])
+        for migration in itertools.count(1):
+            tokens = kept.tokens[index]
+            if migration > self.migration_limit or tokens is None:
+                why = "kept too many tokens" if tokens is None else f"migrated {migration - 1} times already"
+                limit = "" if self.migration_limit == 0 else f"; not migrated again: it {why}"
+                raise UpstreamError(broken.message + limit)
+            self._migrating(broken, index, len(tokens), migration, request_id, parent)
+            own_id = f"{request_id}-c{index}-m{migration}"
+            new = True
+            try:
+                attempts = self._attempts(choice, own_id, deadline, parent, caller, generated=list(tokens))
+                async with aclosing(attempts) as events:
+                    async for event in events:
+                        if isinstance(event, (Tokens, Finished)):
+                            event = dataclasses.replace(event, index=index)
+                            if new:
+                                new = False
+                                self.metrics.migration_gap.observe(time.monotonic() - broken.at)
+                        kept.note(event)
+                        yield event
+                return
+            except Broken as again:
+                broken = again
+
+    def _migrating(self, broken: Broken, index: int, tokens: int, migration: int, request_id, parent) -> None:
+        log.warning(
+            "request %s choice %d: %s after %d tokens; migrating (%d of at most %d)",
+            request_id,
+            index,
+            broken.message,
+            tokens,
+            migration,
+            self.migration_limit,
+        )
+        self.metrics.migrations.labels(broken.reason).inc()
+        self.metrics.migrated_tokens.inc(tokens)
+        attributes = {
+            "lazyserve.migration.reason": broken.reason,
+            "lazyserve.migration.from": broken.failure.worker.address,
+            "lazyserve.migration.choice": index,
+            "lazyserve.migration.tokens": tokens,
+            "lazyserve.migration.count": migration,
+        }
+        trace.get_current_span(parent).add_event("migration", attributes)
+
+    async def _attempts(
+        self,
+        prepared: Prepared,
+        request_id: str,
+        deadline: float,
+        parent: otel_context.Context | None,
+        caller: str,
+        generated: list[int] | None = None,
+    ) -> AsyncIterator[Decision | Tokens | Finished]:
+        """Attempts at one request (a continuation: with its choice's `generated` tokens) until one
+        finishes; retried before its first token, Broken after it."""
         tries, seats, loop = _Tries(self.retries, self.metrics), prepared.sampling.n, asyncio.get_running_loop()
         # Hashed once, off the event loop: every attempt's routing and the index record use them.
         keys = await off_loop(self.keys, prepared) if self.prefixes is not None else []
@@ -241,6 +341,12 @@ class Dispatcher:
                     deadline,
                 )
             except NoWorkerError:
+                if generated and time.monotonic() + NO_WORKER_WAIT_S < deadline:
+                    # A continuation waits for a worker to come back (the only one restarting);
+                    # the down list, probed, says when (tries' own exclusions would outlast it).
+                    tries.exclude.clear()
+                    await asyncio.sleep(NO_WORKER_WAIT_S)
+                    continue
                 if tries.last_failure is None:
                     raise
                 raise UpstreamError(f"{tries.last_failure}; no other worker is live to retry it on") from None
@@ -253,7 +359,8 @@ class Dispatcher:
                 added = queued = True  # before the call: a -1 that lands first still sums to nothing
                 placed = time.monotonic()
                 await off_loop(self._add_load, decision, +1)  # Redis: in a thread, never on the loop
-                async with aclosing(self._attempt(decision, prepared, request_id, deadline, parent, keys)) as events:
+                attempt = self._attempt(decision, prepared, request_id, deadline, parent, keys, generated)
+                async with aclosing(attempt) as events:
                     async for event in events:
                         if queued and isinstance(event, Tokens):  # prefilled: out of the queue
                             queued = False
@@ -265,6 +372,8 @@ class Dispatcher:
                         yield event
                 return
             except WorkerFailed as failure:
+                if failure.error.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.down.mark(failure.worker, failure.error.details() or "UNAVAILABLE")
                 await tries.after(failure, emitted, request_id, deadline)
             finally:
                 # Also while this task is being cancelled: in threads, never awaited.
@@ -275,7 +384,7 @@ class Dispatcher:
                     in_background(self._queue_load, decision, -1)
                 in_background(self._unplace, decision, seats, loop)
 
-    async def _attempt(self, decision: Decision, prepared: Prepared, request_id, deadline, parent, keys):
+    async def _attempt(self, decision: Decision, prepared: Prepared, request_id, deadline, parent, keys, generated):
         """One attempt on the placed workers: its Tokens and Finished (the prefill's figures noted)."""
         events = self.attempt(
             self.channels,
@@ -289,6 +398,7 @@ class Dispatcher:
             parent,
             cache_salt=prepared.cache_salt,
             token_depths=prepared.token_depths,
+            generated=generated,
         )
         # aclosing: when the consumer leaves early, the attempt's calls are cancelled now, not
         # when the garbage collector finalizes the generator.

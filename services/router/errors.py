@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.admission import ClientGone, QueueTimeout
+from services.router.auth import KeyUnverifiable
 from services.router.client import UpstreamError
 from services.router.dispatch import DeadlineError
 from services.router.policy import NoWorkerError
@@ -73,6 +74,8 @@ def _known(error: Exception) -> tuple[int, ErrorBody] | None:
         return 499, error_body(str(error), KINDS[499], "client_closed_request")
     if isinstance(error, DeadlineError):
         return 504, error_body(str(error), KINDS[504], "deadline_exceeded")
+    if isinstance(error, KeyUnverifiable):
+        return 503, error_body(str(error), KINDS[503], "key_unverifiable")
     if isinstance(error, redis.RedisError):
         return 503, error_body("shared state (Redis) is unavailable; retry shortly", KINDS[503], "state_unavailable")
     return None
@@ -93,6 +96,7 @@ EXPECTED = (
     QueueTimeout,
     ClientGone,
     DeadlineError,
+    KeyUnverifiable,
     redis.RedisError,
     StarletteHTTPException,
     RequestValidationError,

@@ -12,6 +12,7 @@ from services.router.auth import KeyStore
 from services.router.client import DecodeClient
 from services.router.dispatch import Dispatcher
 from services.router.errors import status_of
+from services.router.fallback import FallbackWorkers
 from services.router.metrics import GatewayMetrics
 from services.router.policy import make_policy
 from services.router.prefixes import MemoryPrefixIndex, RedisPrefixIndex
@@ -58,8 +59,8 @@ class Gateway:
         self.formatter = LogprobFormatter(text.tokenizer)
         client = None
         if workers is None:
-            if settings.redis_url:
-                workers = RedisWorkers(settings.redis_url)
+            if settings.redis_url:  # Redis is a help, not a gate: FallbackWorkers serves without it
+                workers = FallbackWorkers(RedisWorkers(settings.redis_url))
                 client = workers.client
             else:
                 workers = static_workers(settings, text.name)
@@ -67,6 +68,7 @@ class Gateway:
             workers.ask_capacity = status_capacity(settings.internal_auth())
         self.workers = workers
         self.metrics = GatewayMetrics()
+        self.metrics.degraded.set_function(lambda: float(self.degraded))
         self.records = RequestRecords(client, settings.request_record_ttl_s) if client is not None else None
         required = settings.require_api_key
         if required is None:  # on by default, except for a gateway only reachable from this host
@@ -85,6 +87,8 @@ class Gateway:
             settings.internal_auth(),
             prefixes=prefixes,
             queue=self.queue,
+            migration_limit=settings.migration_limit,
+            migration_max_tokens=settings.migration_max_tokens,
         )
         self.admission = Admission(workers, self.metrics, self.queue, settings.max_streams_per_key)
         self.model_names = list(dict.fromkeys([text.name, *settings.served_model_names]))
@@ -103,5 +107,10 @@ class Gateway:
 
     async def close(self) -> None:
         await self.dispatcher.close()
-        if isinstance(self.workers, RedisWorkers):
+        if isinstance(self.workers, FallbackWorkers | RedisWorkers):
             self.workers.close()
+
+    @property
+    def degraded(self) -> bool:
+        """Serving without Redis (services.router.fallback)."""
+        return isinstance(self.workers, FallbackWorkers) and self.workers.state.degraded

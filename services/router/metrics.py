@@ -164,3 +164,24 @@ class GatewayMetrics:
         self.requeued = Counter(
             "lazyserve_requeued", "attempts a full decode worker refused, put back in the queue", registry=r
         )
+        # A choice whose decode worker failed (reason "failed") or drained ("drained") after its
+        # first token, continued on a live worker (services.router.dispatch).
+        self.degraded = Gauge(
+            "lazyserve_degraded",
+            "1 while this gateway serves without Redis (the workers it last saw, its own counts), else 0",
+            registry=r,
+        )
+        self.migrations = Counter(
+            "lazyserve_migrations", "streamed choices continued on another worker, by reason", ["reason"], registry=r
+        )
+        self.migrated_tokens = Counter(
+            "lazyserve_migrated_tokens",
+            "tokens a migrated choice had already streamed (replayed, not resent)",
+            registry=r,
+        )
+        self.migration_gap = Histogram(
+            "lazyserve_migration_gap_seconds",
+            "from a choice's worker failing to its continuation's first new token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )

@@ -76,6 +76,15 @@ class GatewaySettings(InternalAuthSettings):
     )
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this")
     retries: int = Field(1, ge=0, description="retries on another worker before the first token")
+    migration_limit: int = Field(
+        3,
+        ge=0,
+        description="times a streamed choice whose decode worker fails or drains after its first token is "
+        "continued on a live worker (its tokens so far replayed there); 0: it ends with an error event",
+    )
+    migration_max_tokens: int = Field(
+        4096, ge=1, description="a choice with more generated tokens than this is not kept for migration"
+    )
     request_record_ttl_s: int = Field(86400, ge=1, description="Redis mode: how long request records are kept")
     served_model_names: AddressList = Field(
         default_factory=list, description="names (aliases) the model answers to besides its own; others get 404"

@@ -75,6 +75,11 @@ class Cancelled(ServiceError):
     code = grpc.StatusCode.CANCELLED
 
 
+# How a draining decode worker's UNAVAILABLE details begin (refusing a request, or handing a stream
+# over when its grace period ends): the gateway counts the migration as "drained", not "failed".
+DRAINING = "the decode worker is draining"
+
+
 def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, FrameError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
@@ -177,6 +182,12 @@ class RunningServer:
     server: grpc.Server
     servicer: object  # with a close()
     address: str
+    health: health.HealthServicer | None = None
+
+    def not_ready(self) -> None:
+        """Every service NOT_SERVING from now on (a draining worker): probes stop sending it work."""
+        if self.health is not None:
+            self.health.enter_graceful_shutdown()
 
     def stop(self, grace: float | None = 1.0) -> None:
         self.server.stop(grace).wait()

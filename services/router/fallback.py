@@ -1,0 +1,143 @@
+"""Redis as a help, not a gate: a gateway that loses Redis keeps serving on what it last knew.
+
+`SharedState` says whether this gateway reaches Redis (degraded while it does not: `/status`,
+the `lazyserve_degraded` gauge, one log line per outage). `FallbackWorkers` wraps RedisWorkers:
+- it mirrors this replica's own share of every load kind in memory, whatever Redis answers;
+- while Redis fails, `list` gives the workers it last saw, loads and limits count this replica's
+  own share only (each gateway then bounds a key by what it serves itself), and nothing waits
+  on a dead connection: Redis is tried again at most once a `retry_s`;
+- when Redis answers again, this replica's share is written back from the mirror (what it holds
+  now, not what it held when Redis went: anything taken or given back meanwhile counts), so
+  every replica's limits hold over one count again; a Redis that restarted empty has no worker
+  registered until their next heartbeat, so for `grace_s` an empty list is not believed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+
+from services.router.workers import KINDS, ROUTERS, RedisWorkers, StaticWorkers
+from shared.net.registry import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+class SharedState:
+    def __init__(self, retry_s: float = 1.0):
+        self.retry_s = retry_s
+        self.degraded_since: float | None = None  # time.monotonic() when Redis last failed
+        self.outages = 0
+        self._tried = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def degraded(self) -> bool:
+        return self.degraded_since is not None
+
+    def failed(self, error: Exception) -> None:
+        with self._lock:
+            self._tried = time.monotonic()
+            if self.degraded_since is None:
+                self.degraded_since, self.outages = self._tried, self.outages + 1
+                log.warning("Redis is unavailable (%s): serving degraded on the workers last seen", error)
+
+    def due(self) -> bool:
+        """While degraded: whether Redis may be tried again now (at most once a retry_s)."""
+        with self._lock:
+            if time.monotonic() - self._tried < self.retry_s:
+                return False
+            self._tried = time.monotonic()
+            return True
+
+    def recovered(self) -> float:
+        """Back on Redis; returns how long the outage lasted."""
+        with self._lock:
+            lasted = time.monotonic() - (self.degraded_since or time.monotonic())
+            self.degraded_since = None
+        log.warning("Redis is back after %.1f s: shared state reconciled", lasted)
+        return lasted
+
+
+class FallbackWorkers:
+    """RedisWorkers that go on without Redis (module docstring)."""
+
+    def __init__(self, shared: RedisWorkers, state: SharedState | None = None, grace_s: float = 5.0):
+        self.shared, self.client = shared, shared.client
+        self.state = state or SharedState()
+        self.own = StaticWorkers([])  # this replica's share of every kind, kept whatever Redis does
+        self.grace_s = grace_s
+        self._seen: list[WorkerInfo] = []
+        self._back_at = float("-inf")  # when Redis last came back
+
+    def _redis(self, call, *args):
+        """`call(*args)` on Redis; None (and degraded) when it fails or is not due to be tried."""
+        if self.state.degraded and not self._reconnect():
+            return None
+        try:
+            return call(*args)
+        except redis.RedisError as error:
+            self.state.failed(error)
+            return None
+
+    def _reconnect(self) -> bool:
+        if not self.state.due():
+            return False
+        try:
+            self._write_share()
+        except redis.RedisError as error:
+            self.state.failed(error)
+            return False
+        self.state.recovered()
+        self._back_at = time.monotonic()
+        return True
+
+    def _write_share(self) -> None:
+        """This replica's share from the mirror, in place of whatever Redis holds of it."""
+        shared = self.shared
+        with self.client.pipeline() as pipe:
+            for kind in KINDS:
+                key = shared._key(kind, shared.router_id)
+                pipe.delete(key)
+                held = {field: amount for field, amount in self.own.loads(kind).items() if amount}
+                if held:
+                    pipe.hset(key, mapping=held)
+                    pipe.pexpire(key, int(shared.ttl_s * 1000))
+            pipe.sadd(ROUTERS, shared.router_id)
+            pipe.execute()
+
+    def list(self) -> list[WorkerInfo]:
+        seen = self._redis(self.shared.list)
+        if seen is None or (not seen and time.monotonic() - self._back_at < self.grace_s):
+            return list(self._seen)
+        self._seen = seen
+        return seen
+
+    def capacity(self, worker: WorkerInfo) -> int | None:
+        return worker.capacity
+
+    def add_load(self, kind: str, worker_id: str, amount: float) -> None:
+        self.own.add_load(kind, worker_id, amount)
+        self._redis(self.shared.add_load, kind, worker_id, amount)
+
+    def loads(self, kind: str) -> dict[str, float]:
+        total = self._redis(self.shared.loads, kind)
+        return self.own.loads(kind) if total is None else total
+
+    def acquire(self, kind: str, field: str, limit: int, amount: int = 1) -> bool:
+        taken = self._redis(self.shared.acquire, kind, field, limit, amount)
+        if taken is None:  # degraded: this replica's own count bounds it
+            return self.own.acquire(kind, field, limit, amount)
+        if taken:
+            self.own.add_load(kind, field, amount)
+        return taken
+
+    def release(self, kind: str, field: str, amount: int = 1) -> None:
+        self.own.release(kind, field, amount)
+        self._redis(self.shared.release, kind, field, amount)
+
+    def close(self) -> None:
+        self.shared.close()
