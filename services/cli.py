@@ -40,7 +40,7 @@ GATEWAY_OPTIONS = [
     *SLO_OPTIONS,
     *(Option(GatewaySettings, field) for field in ("host", "port", "prefill_workers", "decode_workers")),
     *(Option(GatewaySettings, field) for field in ("routing", "local_threshold", "route_by_wait", "redis_url")),
-    *(Option(GatewaySettings, field) for field in ("migration_limit", "migration_max_tokens")),
+    *(Option(GatewaySettings, field) for field in ("migration_limit", "migration_max_tokens", "migration_wait_s")),
 ]
 
 

@@ -121,9 +121,11 @@ class Dispatcher:
         queue: AdmissionQueue | None = None,
         migration_limit: int = 3,
         migration_max_tokens: int = 4096,
+        migration_wait_s: float = 60.0,
     ):
         self.workers, self.policy, self.text, self.metrics, self.retries = workers, policy, text, metrics, retries
         self.migration_limit, self.migration_max_tokens = migration_limit, migration_max_tokens
+        self.migration_wait_s = migration_wait_s  # how long a continuation waits for a live worker
         self.queue = queue or AdmissionQueue(metrics, max_queued=1024)  # the gateway's, shared with its Admission
         self.channels = Channels(auth)
         self.down = DownWorkers(auth)  # workers a call found gone, until their health check answers
@@ -296,6 +298,8 @@ class Dispatcher:
                 return
             except Broken as again:
                 broken = again
+            except (NoWorkerError, UpstreamError) as error:  # nowhere to go on: the first failure, and why
+                raise UpstreamError(f"{broken.message}; its continuation failed: {error}") from None
 
     def _migrating(self, broken: Broken, index: int, tokens: int, migration: int, request_id, parent) -> None:
         log.warning(
@@ -332,6 +336,7 @@ class Dispatcher:
         tries, seats, loop = _Tries(self.retries, self.metrics), prepared.sampling.n, asyncio.get_running_loop()
         # Hashed once, off the event loop: every attempt's routing and the index record use them.
         keys = await off_loop(self.keys, prepared) if self.prefixes is not None else []
+        patience = time.monotonic() + self.migration_wait_s  # a continuation's wait for a live worker
         while True:
             try:
                 decision = await self.queue.take(
@@ -341,12 +346,14 @@ class Dispatcher:
                     deadline,
                 )
             except NoWorkerError:
-                if generated and time.monotonic() + NO_WORKER_WAIT_S < deadline:
+                if generated and time.monotonic() + NO_WORKER_WAIT_S < min(deadline, patience):
                     # A continuation waits for a worker to come back (the only one restarting);
                     # the down list, probed, says when (tries' own exclusions would outlast it).
                     tries.exclude.clear()
                     await asyncio.sleep(NO_WORKER_WAIT_S)
                     continue
+                if generated:
+                    raise NoWorkerError(f"no live decode worker within {self.migration_wait_s:g} s") from None
                 if tries.last_failure is None:
                     raise
                 raise UpstreamError(f"{tries.last_failure}; no other worker is live to retry it on") from None

@@ -5,7 +5,8 @@ the `lazyserve_degraded` gauge, one log line per outage). `FallbackWorkers` wrap
 - it mirrors this replica's own share of every load kind in memory, whatever Redis answers;
 - while Redis fails, `list` gives the workers it last saw, loads and limits count this replica's
   own share only (each gateway then bounds a key by what it serves itself), and nothing waits
-  on a dead connection: Redis is tried again at most once a `retry_s`;
+  on a dead connection: Redis is tried again at most once a `retry_s` (by the calls, and by a
+  thread of its own, so that it comes back without traffic);
 - when Redis answers again, this replica's share is written back from the mirror (what it holds
   now, not what it held when Redis went: anything taken or given back meanwhile counts), so
   every replica's limits hold over one count again; a Redis that restarted empty has no worker
@@ -72,6 +73,14 @@ class FallbackWorkers:
         self.grace_s = grace_s
         self._seen: list[WorkerInfo] = []
         self._back_at = float("-inf")  # when Redis last came back
+        self._stop = threading.Event()
+        self._reconnecting = threading.Lock()
+        threading.Thread(target=self._watch, name="redis-reconnect", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.state.retry_s):
+            if self.state.degraded:
+                self._reconnect()
 
     def _redis(self, call, *args):
         """`call(*args)` on Redis; None (and degraded) when it fails or is not due to be tried."""
@@ -86,6 +95,12 @@ class FallbackWorkers:
     def _reconnect(self) -> bool:
         if not self.state.due():
             return False
+        with self._reconnecting:
+            if not self.state.degraded:  # another thread did it meanwhile
+                return True
+            return self._rejoin()
+
+    def _rejoin(self) -> bool:
         try:
             self._write_share()
         except redis.RedisError as error:
@@ -140,4 +155,5 @@ class FallbackWorkers:
         self._redis(self.shared.release, kind, field, amount)
 
     def close(self) -> None:
+        self._stop.set()
         self.shared.close()

@@ -89,6 +89,7 @@ class Gateway:
             queue=self.queue,
             migration_limit=settings.migration_limit,
             migration_max_tokens=settings.migration_max_tokens,
+            migration_wait_s=settings.migration_wait_s,
         )
         self.admission = Admission(workers, self.metrics, self.queue, settings.max_streams_per_key)
         self.model_names = list(dict.fromkeys([text.name, *settings.served_model_names]))

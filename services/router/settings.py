@@ -85,6 +85,12 @@ class GatewaySettings(InternalAuthSettings):
     migration_max_tokens: int = Field(
         4096, ge=1, description="a choice with more generated tokens than this is not kept for migration"
     )
+    migration_wait_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long a migrating choice waits for a live decode worker (the only one restarting) "
+        "before its stream ends with the error",
+    )
     request_record_ttl_s: int = Field(86400, ge=1, description="Redis mode: how long request records are kept")
     served_model_names: AddressList = Field(
         default_factory=list, description="names (aliases) the model answers to besides its own; others get 404"

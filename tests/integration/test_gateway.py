@@ -237,8 +237,9 @@ def test_a_failed_prefill_is_retried_on_another_worker(tiny_llama, decode_worker
 
 
 def test_a_failure_after_tokens_is_an_error_event(tiny_llama, decode_worker, gateway):
+    # The only decode worker dies and does not come back within the migration's wait.
     decode, _ = decode_worker(tiny_llama)
-    running = gateway(decode_workers=[decode.address])
+    running = gateway(decode_workers=[decode.address], migration_wait_s=1.0)
     stream = running.openai().completions.create(
         model="tiny-llama", prompt=random_ids(tiny_llama, 20), max_tokens=1900, stream=True
     )
@@ -249,6 +250,7 @@ def test_a_failure_after_tokens_is_an_error_event(tiny_llama, decode_worker, gat
         for _ in chunks:
             pass
     assert "failed" in str(error.value.message) or "UNAVAILABLE" in str(error.value.message)
+    assert "no live decode worker within 1 s" in str(error.value.message)
 
 
 @pytest.mark.parametrize(

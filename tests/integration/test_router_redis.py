@@ -12,10 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import start_process, wait_for
+from conftest import free_port, start_process, wait_for
 from helpers import random_ids
+from test_faults import _pings, _redis_server
 
 from services.router.auth import API_KEYS, add_key, hash_key
+from services.router.fallback import FallbackWorkers, SharedState
 from services.router.workers import DECODE_TOKENS, STREAMS, RedisWorkers
 from shared.net.registry import Heartbeat, WorkerInfo, connect, list_workers
 
@@ -206,3 +208,43 @@ def test_a_stalled_redis_does_not_stall_a_running_stream(tiny_llama, decode_work
     reader.join(timeout=10)
     assert len(during) > 10, "the running stream stopped while Redis was paused"
     assert max(gaps) < 1.0, f"the running stream stalled for {max(gaps):.2f} s"
+
+
+def test_a_replicas_share_is_written_back_when_redis_returns():
+    """Redis stopped under a replica (FallbackWorkers): it goes on with its own counts and the
+    workers it last saw; when Redis returns (empty), its share is what it holds now, so another
+    replica's limits count it again within seconds."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    server = _redis_server(port)
+    replica = None
+    try:
+        assert wait_for(lambda: _pings(url), timeout=10)
+        info = WorkerInfo(role="decode", address="127.0.0.1:1", model="m")
+        beat = Heartbeat(url, info, ttl_s=2.0)
+        replica = FallbackWorkers(RedisWorkers(url), SharedState(retry_s=0.2))
+        assert wait_for(lambda: replica.list(), timeout=5)
+        assert replica.acquire(STREAMS, "key-a", 1)  # in Redis
+        beat.stop()
+        server.terminate()
+        server.wait(timeout=10)
+        assert replica.acquire(STREAMS, "key-b", 1)  # Redis down: this replica's own count
+        assert replica.state.degraded
+        assert not replica.acquire(STREAMS, "key-b", 1)  # its own bound still holds
+        replica.release(STREAMS, "key-a")  # given back while Redis is away
+        assert [w.address for w in replica.list()] == [info.address]  # the workers last seen
+        server = _redis_server(port)
+        back = time.monotonic()
+        assert wait_for(lambda: not replica.state.degraded, timeout=5)
+        other = RedisWorkers(url)
+        assert other.loads(STREAMS) == {"key-b": 1.0}  # what it holds now, not what it held
+        assert not other.acquire(STREAMS, "key-b", 1)  # the limit holds across replicas again
+        print(f"\nRedis back: this replica's share written back {time.monotonic() - back:.2f} s later")
+        replica.release(STREAMS, "key-b")
+        assert other.loads(STREAMS) == {}
+        other.close()
+    finally:
+        if replica is not None:
+            replica.close()
+        server.kill()
+        server.wait(timeout=10)
