@@ -102,7 +102,10 @@ class Sequence:
     prompt_ids: list[int] = field(default_factory=list)
     cache_salt: str = ""
     depths: bool = False  # a local prefill's first choice reports token depths (return_token_depths)
-    replayed: list[int] = field(default_factory=list)  # a local continuation's tokens so far (generated_ids)
+    # A local continuation's tokens so far (generated_ids): replayed as decode steps, or, when
+    # prefilled with the prompt, counted as generated once its prefill is done (`answered`).
+    replayed: list[int] = field(default_factory=list)
+    answered: list[int] = field(default_factory=list)
     arrived_s: float = field(default_factory=time.monotonic)  # a local prefill's wait counts from here
 
     def __post_init__(self):
@@ -336,6 +339,7 @@ class Scheduler:
         decodings = choice_decodings(run.cache, run.config, sequence.params, sequence.prompt_ids, self.grammars, stats)
         decodings[0].depths = sequence.depths
         decodings[0].replay(sequence.replayed)  # checked when it arrived (DecodeServicer._replayed)
+        decodings[0].resume(sequence.answered)
         siblings = [sequence] + [
             Sequence(
                 sequence.request_id,

@@ -251,6 +251,14 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             return Sequence.resumed(request_id, decodings, first_tokens, assembled.prompt_ids, request.cache_salt)
         if source == "prompt":
             ids, config, params = self._local_request(request.prompt)
+            replayed = self._replayed(request, params)
+            # A continuation on a worker that is not batch-invariant prefills its answer with the
+            # prompt (one pruned prefill, from the prompt's cached layers): its decode steps would
+            # not reproduce the first run's bits anyway. Under --batch-invariant each token is
+            # replayed as a decode step, so that the continuation is the uninterrupted answer.
+            answered = [] if self.model.batch_invariant else replayed
+            if answered:
+                ids = torch.cat([ids, torch.tensor(answered, dtype=torch.long)])
             if params.grammar is not None:  # checked here: on the engine thread a failure would hit the batch
                 try:
                     Sampler(params, grammars=self.loaded.grammars)
@@ -262,7 +270,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             )
             sequence = Sequence.local(request_id, run, params, request.cache_salt)
             sequence.depths = request.return_token_depths
-            sequence.replayed = self._replayed(request, params)
+            if answered:
+                sequence.answered = answered
+            else:
+                sequence.replayed = replayed
             return [sequence]
         raise InvalidArgument("GenerateRequest needs a transfer_id or a prompt")
 

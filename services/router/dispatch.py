@@ -346,9 +346,11 @@ class Dispatcher:
                     deadline,
                 )
             except NoWorkerError:
-                if generated and time.monotonic() + NO_WORKER_WAIT_S < min(deadline, patience):
-                    # A continuation waits for a worker to come back (the only one restarting);
-                    # the down list, probed, says when (tries' own exclusions would outlast it).
+                # A continuation, or a request whose worker failed before its first token, waits
+                # for a worker to come back (the only one restarting) when migration is on; the
+                # down list, probed, says when (tries' own exclusions would outlast it).
+                placed_again = generated or (tries.last_failure is not None and self.migration_limit > 0)
+                if placed_again and time.monotonic() + NO_WORKER_WAIT_S < min(deadline, patience):
                     tries.exclude.clear()
                     await asyncio.sleep(NO_WORKER_WAIT_S)
                     continue

@@ -90,6 +90,17 @@ class Decoding:
             raise ValueError(f"tokens to replay include the stop token {min(stops)}")
         self.replayed.extend(tokens)
 
+    def resume(self, tokens: list[int]) -> None:
+        """Count a continuation's tokens so far as generated (the penalties, min_tokens and
+        max_new_tokens see them) when they were prefilled with the prompt instead of replayed:
+        the next `advance` samples the token after them, at their position's seed."""
+        if len(self.generation.tokens) + len(tokens) >= self.params.max_new_tokens:
+            raise ValueError(f"{len(tokens)} tokens leave nothing of max_new_tokens {self.params.max_new_tokens}")
+        for token in tokens:
+            self.sampler.observe(token)
+            self.generation.tokens.append(token)
+        self.generation.stats.completion_tokens = len(self.generation.tokens)
+
     def advance(self, logits: torch.Tensor) -> Sampled | None:
         """Sample from `logits` [vocab]; the token to output, or None when it was a stop token or
         a replayed one (not output again)."""

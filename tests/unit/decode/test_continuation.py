@@ -80,3 +80,24 @@ def test_replay_refuses_what_cannot_be_a_choice_so_far(tiny_llama):
         decoding.replay([5, 6, 7, 8])
     with pytest.raises(ValueError, match="stop token 2"):
         decoding.replay([5, 2])
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_a_continuation_prefilled_with_its_answer_counts_it_as_generated(tiny_llama, scheduler, params):
+    """Off --batch-invariant the decode worker prefills the answer so far with the prompt (one
+    pruned prefill instead of a decode step per token); the tokens after it are the model's
+    continuation of that text, and the limits count the answer as generated."""
+    model, ids = tiny_llama.engine, _ids(tiny_llama.engine, 40, 3)
+    tokens, _ = _run(scheduler, _local(model, ids, params))
+    cut = 9
+    both = torch.cat([ids, torch.tensor(tokens[:cut])])
+    sequence = Sequence.local("c", PrefillRun(model, both, LAZY, reserve=params.max_new_tokens), params)
+    sequence.answered = tokens[:cut]
+    rest, end = _run(scheduler, sequence)
+    assert len(rest) == params.max_new_tokens - cut and end == ChoiceFinished(0, "length")
+    # The same prefill's logits give the first token after the answer, at position `cut`'s seed.
+    cache, logits = prefill(model, both, LAZY, reserve=params.max_new_tokens)
+    decoding = Decoding(cache, LAZY, params, Generation(), prompt_ids=both.tolist())
+    decoding.resume(tokens[:cut])
+    assert decoding.advance(logits).token == rest[0]
+    assert decoding.generation.stats.completion_tokens == cut + 1

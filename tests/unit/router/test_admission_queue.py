@@ -243,6 +243,7 @@ def test_a_worker_that_says_it_is_full_puts_the_request_back_in_the_queue_not_in
 def test_a_failed_retry_with_no_worker_left_says_what_failed():
     async def main():
         dispatcher = _dispatcher(Held(grpc.StatusCode.UNAVAILABLE), decoders=1)
+        dispatcher.migration_wait_s = 0.6  # it waits this long for the worker to come back, then says so
         return [event async for event in dispatcher.run(_prepared(), "r", time.monotonic() + 30)]
 
     with pytest.raises(UpstreamError, match=r"worker d0:1 failed: UNAVAILABLE: x; no other worker is live"):
