@@ -47,10 +47,10 @@ class Answer:
 class Up:
     """`lazyserve up` in the background: its stdout lines, the sessions of its children."""
 
-    def __init__(self, *flags: str, env: dict | None = None):
+    def __init__(self, *flags: str, env: dict | None = None, invariant: bool = True):
         self.port, self.decode_port = free_port(), free_port()
         args = ["up", "--port", str(self.port), "--decode-port", str(self.decode_port)]
-        args += ["--prefill-port", str(free_port()), "--batch-invariant", *flags]
+        args += ["--prefill-port", str(free_port()), *(["--batch-invariant"] if invariant else []), *flags]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *args],
             stdout=subprocess.PIPE,
