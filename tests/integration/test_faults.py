@@ -50,7 +50,7 @@ def test_a_decode_worker_killed_mid_stream(tiny_llama, gateway, redis_url, flush
         os.kill(workers[victim].pid, signal.SIGKILL)
         started = time.monotonic()
         # The stream migrates to the live worker and ends in full, without an error event
-        # (tests/integration/test_migration.py checks the tokens equal a run without the fault).
+        # (tests/integration/test_stream_migration.py checks the tokens equal a run without the fault).
         *_, last = chunks
         assert last.usage.completion_tokens == 1900
         ended = time.monotonic() - started
