@@ -265,9 +265,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 except GrammarError as error:
                     raise InvalidArgument(f"sampling.grammar: {error}") from None
             # Prefilled here, a layer at a time between decode steps, on the engine thread.
-            run = start_prefill(
-                self.model, ids, config, prefix=self.prefix, salt=request.cache_salt, reserve=params.max_new_tokens
-            )
+            # Room for what is left to generate: the answer so far is in `ids` already.
+            reserve = params.max_new_tokens - len(answered)
+            run = start_prefill(self.model, ids, config, prefix=self.prefix, salt=request.cache_salt, reserve=reserve)
             sequence = Sequence.local(request_id, run, params, request.cache_salt)
             sequence.depths = request.return_token_depths
             if answered:

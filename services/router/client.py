@@ -303,11 +303,13 @@ def run_disaggregated(
     config: PruneConfig,
     params: SamplingParams,
     timeout: float = 300.0,
+    generated: list[int] | None = None,
 ) -> Result:
     """Prefill on one worker, KV to the other, generate there, through generate_on: tokens
-    include the first. A failed call raises that call's grpc error."""
+    include the first (with `generated`, a continuation's: only those after them). A failed call
+    raises that call's grpc error."""
     workers = _worker("decode", decode.address), _worker("prefill", prefill.address)
-    return asyncio.run(_run(*workers, ids, config, params, decode.auth, timeout))
+    return asyncio.run(_run(*workers, ids, config, params, decode.auth, timeout, generated))
 
 
 def run_local(
@@ -317,11 +319,12 @@ def run_local(
     return asyncio.run(_run(_worker("decode", decode.address), None, ids, config, params, decode.auth, timeout))
 
 
-async def _run(decode, prefill, ids, config, params, auth, timeout) -> Result:
+async def _run(decode, prefill, ids, config, params, auth, timeout, generated=None) -> Result:
     channels, result, start = Channels(auth), Result(), time.perf_counter()
     try:
+        deadline = time.monotonic() + timeout
         events = generate_on(
-            channels, decode, prefill, list(ids), config, params, uuid.uuid4().hex, time.monotonic() + timeout
+            channels, decode, prefill, list(ids), config, params, uuid.uuid4().hex, deadline, generated=generated
         )
         async for event in events:
             if isinstance(event, Prefilled):

@@ -23,8 +23,6 @@ the sequences.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -33,14 +31,13 @@ from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 
 from services.router.admission import AdmissionQueue, Full, in_background, off_loop
 from services.router.client import Channels, Finished, Prefilled, Tokens, UpstreamError, WorkerFailed, generate_on
 from services.router.down import DownWorkers
 from services.router.drains import Drains
 from services.router.metrics import GatewayMetrics
-from services.router.migration import MIGRATED, Broken, Kept, merged
+from services.router.migration import MIGRATED, Broken, Kept, Migrations, merged
 from services.router.policy import Decision, NoWorkerError
 from services.router.prefixes import PrefixIndex, prompt_keys
 from services.router.tracing import annotate_decision
@@ -124,7 +121,7 @@ class Dispatcher:
         migration_wait_s: float = 60.0,
     ):
         self.workers, self.policy, self.text, self.metrics, self.retries = workers, policy, text, metrics, retries
-        self.migration_limit, self.migration_max_tokens = migration_limit, migration_max_tokens
+        self.migrations = Migrations(metrics, migration_limit, migration_max_tokens)
         self.migration_wait_s = migration_wait_s  # how long a continuation waits for a live worker
         self.queue = queue or AdmissionQueue(metrics, max_queued=1024)  # the gateway's, shared with its Admission
         self.channels = Channels(auth)
@@ -251,7 +248,7 @@ class Dispatcher:
         caller: str = "",
     ) -> AsyncIterator[Decision | Tokens | Finished]:
         """caller: whose turn in the admission queue this request waits for."""
-        kept = Kept(prepared.sampling.n, self.migration_max_tokens)
+        kept = Kept(prepared.sampling.n, self.migrations.max_tokens)
         try:
             async with aclosing(self._attempts(prepared, request_id, deadline, parent, caller)) as events:
                 async for event in events:
@@ -260,67 +257,18 @@ class Dispatcher:
             return
         except Broken as broken:
             failure = broken
+
         # Each unfinished choice goes on alone, on whichever live worker has room for one.
+        def attempts(choice: Prepared, own_id: str, tokens: list[int]):
+            return self._attempts(choice, own_id, deadline, parent, caller, generated=tokens)
+
         continuations = [
-            self._continue(prepared, index, kept, failure, request_id, deadline, parent, caller)
+            self.migrations.choice(attempts, prepared, index, kept, failure, request_id, parent)
             for index in kept.unfinished()
         ]
         async with aclosing(merged(continuations)) as events:
             async for event in events:
                 yield event
-
-    async def _continue(
-        self, prepared: Prepared, index: int, kept: Kept, broken: Broken, request_id, deadline, parent, caller
-    ) -> AsyncIterator[Decision | Tokens | Finished]:
-        """Choice `index` of a request whose worker failed after its first token, continued on a
-        live worker: its own parameters (n 1, seed + index), its tokens so far replayed there."""
-        choice = dataclasses.replace(prepared, sampling=prepared.sampling.choices()[index])
-        for migration in itertools.count(1):
-            tokens = kept.tokens[index]
-            if migration > self.migration_limit or tokens is None:
-                why = "kept too many tokens" if tokens is None else f"migrated {migration - 1} times already"
-                limit = "" if self.migration_limit == 0 else f"; not migrated again: it {why}"
-                raise UpstreamError(broken.message + limit)
-            self._migrating(broken, index, len(tokens), migration, request_id, parent)
-            own_id = f"{request_id}-c{index}-m{migration}"
-            new = True
-            try:
-                attempts = self._attempts(choice, own_id, deadline, parent, caller, generated=list(tokens))
-                async with aclosing(attempts) as events:
-                    async for event in events:
-                        if isinstance(event, (Tokens, Finished)):
-                            event = dataclasses.replace(event, index=index)
-                            if new:
-                                new = False
-                                self.metrics.migration_gap.observe(time.monotonic() - broken.at)
-                        kept.note(event)
-                        yield event
-                return
-            except Broken as again:
-                broken = again
-            except (NoWorkerError, UpstreamError) as error:  # nowhere to go on: the first failure, and why
-                raise UpstreamError(f"{broken.message}; its continuation failed: {error}") from None
-
-    def _migrating(self, broken: Broken, index: int, tokens: int, migration: int, request_id, parent) -> None:
-        log.warning(
-            "request %s choice %d: %s after %d tokens; migrating (%d of at most %d)",
-            request_id,
-            index,
-            broken.message,
-            tokens,
-            migration,
-            self.migration_limit,
-        )
-        self.metrics.migrations.labels(broken.reason).inc()
-        self.metrics.migrated_tokens.inc(tokens)
-        attributes = {
-            "lazyserve.migration.reason": broken.reason,
-            "lazyserve.migration.from": broken.failure.worker.address,
-            "lazyserve.migration.choice": index,
-            "lazyserve.migration.tokens": tokens,
-            "lazyserve.migration.count": migration,
-        }
-        trace.get_current_span(parent).add_event("migration", attributes)
 
     async def _attempts(
         self,
@@ -349,7 +297,7 @@ class Dispatcher:
                 # A continuation, or a request whose worker failed before its first token, waits
                 # for a worker to come back (the only one restarting) when migration is on; the
                 # down list, probed, says when (tries' own exclusions would outlast it).
-                placed_again = generated or (tries.last_failure is not None and self.migration_limit > 0)
+                placed_again = generated or (tries.last_failure is not None and self.migrations.limit > 0)
                 if placed_again and time.monotonic() + NO_WORKER_WAIT_S < min(deadline, patience):
                     tries.exclude.clear()
                     await asyncio.sleep(NO_WORKER_WAIT_S)

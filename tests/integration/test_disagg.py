@@ -56,7 +56,8 @@ def _prompt(loaded) -> list[int]:
 # The codec tests and the decode-worker tests prove token equality case by case; here, end to end
 # through a Ray actor and a worker process, the two cases that add to them: the CLI-started worker
 # unpruned and greedy, and the real model pruned (query windows and revival on the wire) with
-# seeded sampling (the sampler state on the wire).
+# seeded sampling (token k drawn from (seed, k) on either worker). And a migrated stream's
+# continuation through a transfer: its tokens so far replayed after the prefill, the rest equal.
 @pytest.mark.parametrize(
     ("model", "pruning", "sampling"), [("tiny-llama", "off", "greedy"), ("SmolLM2-135M-Instruct", "default", "seeded")]
 )
@@ -95,6 +96,9 @@ def test_disaggregated_tokens_equal_in_process(
         assert reply.aux_bytes_sent > 0
     if model != "tiny-llama" and pruning == "default":
         assert stats.revived_token_layers > 0  # decode really revived pruned tokens on this prompt
+    continued = run_disaggregated(prefill, decode, ids, config, params, generated=expected.tokens[:5])
+    assert continued.tokens == expected.tokens[5:]
+    assert continued.stats.completion_tokens == len(expected.tokens)  # usage counts the answer once
 
 
 def test_the_actor_computes_only_on_its_compute_thread(actors):
