@@ -36,8 +36,9 @@ from services.router.admission import AdmissionQueue, Full, in_background, off_l
 from services.router.client import Channels, Finished, Prefilled, Tokens, UpstreamError, WorkerFailed, generate_on
 from services.router.down import DownWorkers
 from services.router.drains import Drains
+from services.router.merge import merged
 from services.router.metrics import GatewayMetrics
-from services.router.migration import MIGRATED, Broken, Kept, Migrations, merged
+from services.router.migration import MIGRATED, Broken, Kept, Migrations
 from services.router.policy import Decision, NoWorkerError
 from services.router.prefixes import PrefixIndex, prompt_keys
 from services.router.tracing import annotate_decision

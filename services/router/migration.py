@@ -4,13 +4,11 @@ The gateway streams every generated token anyway; `Kept` holds each choice's ids
 has finished, so that when its decode worker fails or drains after the first token, the
 dispatcher can place a continuation (the prompt, the tokens so far, the same sampling) on a live
 worker and the client's stream goes on without an error or a repeated token. `Broken` is such a
-failure; `Migrations` continues one choice (within the limits, counted and traced); `merged` runs
-the continuations of several choices side by side.
+failure; `Migrations` continues one choice (within the limits, counted and traced).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -68,39 +66,6 @@ class Kept:
 
     def unfinished(self) -> list[int]:
         return [index for index, finished in enumerate(self.finished) if not finished]
-
-
-async def merged(streams: list[AsyncIterator]) -> AsyncIterator:
-    """The events of several async iterators as they come. The first failure ends them all and is
-    raised; leaving early (or being cancelled) closes every one, which cancels their calls."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(stream: AsyncIterator) -> None:
-        try:
-            async with aclosing(stream) as events:
-                async for event in events:
-                    await queue.put(event)
-        except Exception as error:  # handed to the consumer, which raises it
-            await queue.put(error)
-            return
-        await queue.put(done)
-
-    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
-    try:
-        running = len(tasks)
-        while running:
-            item = await queue.get()
-            if item is done:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Migrations:

@@ -5,7 +5,6 @@ The text side (detokenizing, stop strings) lives here, in the gateway: workers d
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import time
@@ -15,6 +14,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from services.router.client import Finished, Tokens
+from services.router.merge import merged
 from services.router.metrics import GatewayMetrics
 from services.router.policy import Decision
 from shared.api.logprobs import LogprobFormatter
@@ -204,37 +204,19 @@ class JobGroup:
 
     async def deltas(self) -> AsyncIterator[tuple[int, str, list[Sampled]]]:
         """Every job's deltas as they come, choice indices offset by the choices before them."""
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(job: TextJob, offset: int) -> None:
-            try:
-                async with aclosing(job.deltas()) as deltas:
-                    async for index, delta, sampled in deltas:
-                        await queue.put((offset + index, delta, sampled))
-            except BaseException as error:  # handed to the consumer, which raises it
-                await queue.put(error)
-                raise
-            await queue.put(done)
-
         offsets = [0]
         for job in self.jobs[:-1]:
             offsets.append(offsets[-1] + len(job.choices))
-        tasks = [asyncio.create_task(pump(job, offset)) for job, offset in zip(self.jobs, offsets)]
-        try:
-            running = len(tasks)
-            while running:
-                item = await queue.get()
-                if item is done:
-                    running -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:  # a failure or a client gone: the other prompts' generations stop too
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+
+        async def offset_deltas(job: TextJob, offset: int):
+            async with aclosing(job.deltas()) as deltas:
+                async for index, delta, sampled in deltas:
+                    yield offset + index, delta, sampled
+
+        # A failure or a client gone: the other prompts' generations stop too.
+        async with aclosing(merged([offset_deltas(job, o) for job, o in zip(self.jobs, offsets)])) as items:
+            async for item in items:
+                yield item
         each = [job.stats for job in self.jobs]
         self.stats = dataclasses.replace(
             each[0],
