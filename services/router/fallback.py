@@ -4,9 +4,8 @@
 the `lazyserve_degraded` gauge, one log line per outage). `FallbackWorkers` wraps RedisWorkers:
 - it mirrors this replica's own share of every load kind in memory, whatever Redis answers;
 - while Redis fails, `list` gives the workers it last saw, loads and limits count this replica's
-  own share only (each gateway then bounds a key by what it serves itself), and nothing waits
-  on a dead connection: Redis is tried again at most once a `retry_s` (by the calls, and by a
-  thread of its own, so that it comes back without traffic);
+  own share only (each gateway then bounds a key by what it serves itself), and no request waits
+  on a dead connection: a thread of its own tries Redis again once a `retry_s`;
 - when Redis answers again, this replica's share is written back from the mirror (what it holds
   now, not what it held when Redis went: anything taken or given back meanwhile counts), so
   every replica's limits hold over one count again; a Redis that restarted empty has no worker
@@ -32,7 +31,6 @@ class SharedState:
         self.retry_s = retry_s
         self.degraded_since: float | None = None  # time.monotonic() when Redis last failed
         self.outages = 0
-        self._tried = 0.0
         self._lock = threading.Lock()
 
     @property
@@ -41,18 +39,9 @@ class SharedState:
 
     def failed(self, error: Exception) -> None:
         with self._lock:
-            self._tried = time.monotonic()
             if self.degraded_since is None:
-                self.degraded_since, self.outages = self._tried, self.outages + 1
+                self.degraded_since, self.outages = time.monotonic(), self.outages + 1
                 log.warning("Redis is unavailable (%s): serving degraded on the workers last seen", error)
-
-    def due(self) -> bool:
-        """While degraded: whether Redis may be tried again now (at most once a retry_s)."""
-        with self._lock:
-            if time.monotonic() - self._tried < self.retry_s:
-                return False
-            self._tried = time.monotonic()
-            return True
 
     def recovered(self) -> float:
         """Back on Redis; returns how long the outage lasted."""
@@ -61,6 +50,32 @@ class SharedState:
             self.degraded_since = None
         log.warning("Redis is back after %.1f s: shared state reconciled", lasted)
         return lasted
+
+
+class GuardedRedis:
+    """The Redis client for the calls that have a fallback (API keys, the prefix index, request
+    records): while the gateway is degraded they fail at once, instead of each waiting out a dead
+    connection's timeouts (2 s) on every request, and a failure marks the gateway degraded.
+    FallbackWorkers' own calls use the client itself: they are what finds Redis back."""
+
+    def __init__(self, client: redis.Redis, state: SharedState):
+        self.client, self.state = client, state
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self.client, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            if self.state.degraded:
+                raise redis.ConnectionError("Redis is unavailable: this gateway serves degraded")
+            try:
+                return attribute(*args, **kwargs)
+            except redis.RedisError as error:
+                self.state.failed(error)
+                raise
+
+        return call
 
 
 class FallbackWorkers:
@@ -74,17 +89,20 @@ class FallbackWorkers:
         self._seen: list[WorkerInfo] = []
         self._back_at = float("-inf")  # when Redis last came back
         self._stop = threading.Event()
-        self._reconnecting = threading.Lock()
+        # Held by an update of this replica's share (the mirror and Redis) and by the write-back, so
+        # that no update falls between the mirror's snapshot and the switch back to Redis.
+        self._sync = threading.Lock()
         threading.Thread(target=self._watch, name="redis-reconnect", daemon=True).start()
 
     def _watch(self) -> None:
         while not self._stop.wait(self.state.retry_s):
             if self.state.degraded:
-                self._reconnect()
+                self._rejoin()
 
     def _redis(self, call, *args):
-        """`call(*args)` on Redis; None (and degraded) when it fails or is not due to be tried."""
-        if self.state.degraded and not self._reconnect():
+        """`call(*args)` on Redis; None (and degraded) when it fails, or while degraded: only the
+        watcher thread tries Redis then, so that no request waits on a dead connection."""
+        if self.state.degraded:
             return None
         try:
             return call(*args)
@@ -92,21 +110,14 @@ class FallbackWorkers:
             self.state.failed(error)
             return None
 
-    def _reconnect(self) -> bool:
-        if not self.state.due():
-            return False
-        with self._reconnecting:
-            if not self.state.degraded:  # another thread did it meanwhile
-                return True
-            return self._rejoin()
-
     def _rejoin(self) -> bool:
-        try:
-            self._write_share()
-        except redis.RedisError as error:
-            self.state.failed(error)
-            return False
-        self.state.recovered()
+        with self._sync:
+            try:
+                self._write_share()
+            except redis.RedisError as error:
+                self.state.failed(error)
+                return False
+            self.state.recovered()
         self._back_at = time.monotonic()
         return True
 
@@ -135,24 +146,27 @@ class FallbackWorkers:
         return worker.capacity
 
     def add_load(self, kind: str, worker_id: str, amount: float) -> None:
-        self.own.add_load(kind, worker_id, amount)
-        self._redis(self.shared.add_load, kind, worker_id, amount)
+        with self._sync:
+            self.own.add_load(kind, worker_id, amount)
+            self._redis(self.shared.add_load, kind, worker_id, amount)
 
     def loads(self, kind: str) -> dict[str, float]:
         total = self._redis(self.shared.loads, kind)
         return self.own.loads(kind) if total is None else total
 
     def acquire(self, kind: str, field: str, limit: int, amount: int = 1) -> bool:
-        taken = self._redis(self.shared.acquire, kind, field, limit, amount)
-        if taken is None:  # degraded: this replica's own count bounds it
-            return self.own.acquire(kind, field, limit, amount)
-        if taken:
-            self.own.add_load(kind, field, amount)
-        return taken
+        with self._sync:
+            taken = self._redis(self.shared.acquire, kind, field, limit, amount)
+            if taken is None:  # degraded: this replica's own count bounds it
+                return self.own.acquire(kind, field, limit, amount)
+            if taken:
+                self.own.add_load(kind, field, amount)
+            return taken
 
     def release(self, kind: str, field: str, amount: int = 1) -> None:
-        self.own.release(kind, field, amount)
-        self._redis(self.shared.release, kind, field, amount)
+        with self._sync:
+            self.own.release(kind, field, amount)
+            self._redis(self.shared.release, kind, field, amount)
 
     def close(self) -> None:
         self._stop.set()

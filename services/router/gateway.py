@@ -12,7 +12,7 @@ from services.router.auth import KeyStore
 from services.router.client import DecodeClient
 from services.router.dispatch import Dispatcher
 from services.router.errors import status_of
-from services.router.fallback import FallbackWorkers
+from services.router.fallback import FallbackWorkers, GuardedRedis
 from services.router.metrics import GatewayMetrics
 from services.router.policy import make_policy
 from services.router.prefixes import MemoryPrefixIndex, RedisPrefixIndex
@@ -61,7 +61,7 @@ class Gateway:
         if workers is None:
             if settings.redis_url:  # Redis is a help, not a gate: FallbackWorkers serves without it
                 workers = FallbackWorkers(RedisWorkers(settings.redis_url))
-                client = workers.client
+                client = GuardedRedis(workers.client, workers.state)
             else:
                 workers = static_workers(settings, text.name)
         if isinstance(workers, StaticWorkers) and workers.ask_capacity is None:

@@ -177,6 +177,44 @@ def test_the_gateway_serves_degraded_while_redis_is_down_and_reconciles(tiny_lla
         server.wait(timeout=10)
 
 
+def test_a_stalled_redis_makes_the_gateway_degraded_not_slow(tiny_llama, decode_worker, gateway):
+    """Redis that hangs instead of refusing (CLIENT PAUSE): the first request waits out the
+    connection's timeout once; from then on nothing waits on Redis until it answers again."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    server = _redis_server(port)
+    heartbeat = None
+    try:
+        assert wait_for(lambda: _pings(url), timeout=10)
+        worker, _ = decode_worker(tiny_llama)
+        heartbeat = Heartbeat(url, WorkerInfo(role="decode", address=worker.address, model="tiny-llama"), ttl_s=2.0)
+        assert wait_for(lambda: RedisWorkers(url).list(), timeout=5)
+        running = gateway(redis_url=url)
+        client = running.openai()
+
+        def ask() -> float:
+            started = time.monotonic()
+            assert client.completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1).usage.completion_tokens
+            return time.monotonic() - started
+
+        ask()
+        connect(url).execute_command("CLIENT", "PAUSE", "8000", "ALL")
+        paused = time.monotonic()
+        took = [ask() for _ in range(6)]
+        assert running.app.state.gateway.degraded
+        assert max(took[1:]) < 1.0, took  # only the first paid the dead connection's timeout
+        assert wait_for(lambda: not running.app.state.gateway.degraded, timeout=15)
+        print(
+            f"\nRedis paused: first request {took[0]:.2f} s, then {max(took[1:]):.2f} s at most; back after "
+            f"{time.monotonic() - paused:.1f} s (paused for 8)"
+        )
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        server.kill()
+        server.wait(timeout=10)
+
+
 def _pings(url: str) -> bool:
     try:
         return connect(url).ping()
