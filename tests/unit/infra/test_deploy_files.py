@@ -156,3 +156,18 @@ def test_an_unknown_variable_would_be_caught():
     assert not _known("LAZYSERVE_GATEWAY_LOCAL_TRESHOLD")
     with pytest.raises(AssertionError):
         _check_lazyserve_command(["gateway", "--prot=8000"])
+
+
+def test_decode_workers_are_given_time_to_drain():
+    """SIGTERM drains a decode worker for drain_seconds, then hands its streams over: the stack must
+    not SIGKILL it first (compose's default grace is 10 s, Kubernetes' 30 s)."""
+    from services.decode.settings import DecodeSettings
+
+    drain = DecodeSettings.model_fields["drain_seconds"].default
+    compose = _compose()["services"]["decode"]["stop_grace_period"]
+    assert compose.endswith("s") and float(compose[:-1]) > drain
+    deployments = [
+        d for d in yaml.safe_load_all((ROOT / "infra/k8s/services.yaml").read_text()) if d and d["kind"] == "Deployment"
+    ]
+    [decode] = [d for d in deployments if d["metadata"]["name"] == "lazyserve-decode"]
+    assert decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
