@@ -8,6 +8,10 @@ import time
 
 import grpc
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.router.client import Finished, Tokens, UpstreamError, WorkerFailed
 from services.router.dispatch import Dispatcher
@@ -46,11 +50,11 @@ class Script:
                 yield Finished("length", Stats(), index)
 
 
-def _run(script: Script, sampling: SamplingParams, migration_limit: int = 3, max_tokens: int = 4096):
+def _run(script, sampling: SamplingParams, migration_limit=3, max_tokens=4096, parent=None, decoders=2):
     text = TextModel(MODEL, None, ModelSpec("llama", 2, 8, 2, 2, 4, 100, 64), ())
     metrics = GatewayMetrics()
     dispatcher = Dispatcher(
-        _workers(),
+        _workers(decode=decoders),
         LengthAwarePolicy(1000),
         text,
         metrics,
@@ -63,7 +67,7 @@ def _run(script: Script, sampling: SamplingParams, migration_limit: int = 3, max
     prepared = Prepared([1, 2, 3], sampling, OFF, "off", [])
 
     async def collect():
-        return [event async for event in dispatcher.run(prepared, "r1", time.monotonic() + 30)]
+        return [event async for event in dispatcher.run(prepared, "r1", time.monotonic() + 30, parent)]
 
     return asyncio.run(collect()), metrics
 
@@ -85,6 +89,20 @@ def test_a_stream_whose_worker_dies_goes_on_elsewhere_from_its_last_token():
     assert script.calls[1]["sampling"].max_new_tokens == 4  # the same limit: the worker counts the replayed
     assert metrics.migrations.labels("failed")._value.get() == 1
     assert metrics.migrated_tokens._value.get() == 2
+
+
+def test_each_migration_is_an_event_on_the_request_span():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("test").start_as_current_span("request") as span:
+        script = Script(({0: [5, 6]}, KILLED), ({0: [7]}, KILLED), ({0: [8]}, None))
+        _run(script, SamplingParams(max_new_tokens=4), parent=trace.set_span_in_context(span), decoders=3)
+    [request] = exporter.get_finished_spans()
+    events = [dict(event.attributes) for event in request.events if event.name == "migration"]
+    assert [(e["lazyserve.migration.tokens"], e["lazyserve.migration.count"]) for e in events] == [(2, 1), (3, 2)]
+    assert {e["lazyserve.migration.reason"] for e in events} == {"failed"}
+    assert [e["lazyserve.migration.from"] for e in events] == ["d0:1", "d1:1"]
 
 
 def test_a_drained_stream_is_counted_as_drained():
