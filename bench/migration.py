@@ -14,7 +14,6 @@ first differ, and the gap (submit to first new token), median of the N.
 from __future__ import annotations
 
 import argparse
-import queue
 import random
 import statistics
 import time
@@ -56,7 +55,6 @@ def _sequence(model, prompt, config, params, cut: list[int] | None, way: str):
             sequence.replayed = list(cut)
         else:
             sequence.answered = list(cut)
-    sequence.outbox = queue.Queue()
     return sequence
 
 

@@ -245,7 +245,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if request.generated_ids:  # a continuation: its own tokens so far, not the prefill's first
                 replayed = self._replayed(request, assembled.params)
                 first_tokens = replayed[:1]
-                _replay(decodings[0], replayed[1:])
+                decodings[0].replay(replayed[1:])  # checked just above
             if self.prefix is not None:  # now, not when it finishes: the next question may come first
                 self._remember_transfer(assembled, request.cache_salt)
             return Sequence.resumed(request_id, decodings, first_tokens, assembled.prompt_ids, request.cache_salt)
@@ -379,13 +379,6 @@ class _FrameJobs:
         for future in self.pending:
             future.cancel()
         self.pending.clear()
-
-
-def _replay(decoding, tokens: list[int]) -> None:
-    try:
-        decoding.replay(tokens)
-    except ValueError as error:
-        raise InvalidArgument(f"generated_ids: {error}") from None
 
 
 def _response(tokens: list[Sampled], index: int) -> pb.GenerateResponse:

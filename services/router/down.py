@@ -16,10 +16,8 @@ import logging
 import threading
 import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from shared.net.registry import WorkerInfo
+from shared.net.rpc import check_health
 from shared.net.transport import NO_AUTH, InternalAuth
 
 log = logging.getLogger(__name__)
@@ -45,20 +43,9 @@ class DownWorkers:
             for worker in due:  # one prober per worker at a time: the others see it as still down
                 self._down[worker.worker_id] = (worker, now)
         for worker in due:
-            if self._serving(worker):
+            if check_health(worker.address, self.probe_timeout_s, auth=self.auth):
                 with self._lock:
                     self._down.pop(worker.worker_id, None)
                 log.info("worker %s answers again", worker.address)
         with self._lock:
             return set(self._down)
-
-    def _serving(self, worker: WorkerInfo) -> bool:
-        channel = self.auth.channel(worker.address)
-        try:
-            stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-        finally:
-            channel.close()

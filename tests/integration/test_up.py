@@ -12,12 +12,7 @@ import threading
 
 import openai
 import pytest
-from conftest import child_given, free_port, kill_sessions, session_members, wait_for
-
-
-def _children(pid: int) -> set[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return {int(line) for line in out.split()}
+from conftest import child_given, children_of, free_port, kill_sessions, session_members, wait_for
 
 
 def _cmdline(pid: int) -> str:
@@ -41,7 +36,7 @@ def test_up_restarts_a_dead_worker_and_its_children_die_with_it():
     sessions: set[int] = set()
     try:
         assert wait_for(lambda: any(line.startswith("READY gateway") for line in lines), timeout=240), lines
-        sessions = _children(up.pid)
+        sessions = children_of(up.pid)
         assert len(sessions) == 4  # two decode workers, the prefill worker with its Ray, the gateway
         # The example `up` prints works when pasted into a shell as it is.
         assert wait_for(lambda: any(line.lstrip().startswith("-d ") for line in console), timeout=10), console
@@ -60,7 +55,7 @@ def test_up_restarts_a_dead_worker_and_its_children_die_with_it():
         assert [ask() for _ in range(6)] == [2] * 6
         assert wait_for(lambda: "RESTARTED decode-0\n" in lines, timeout=90), lines
         assert [ask() for _ in range(4)] == [2] * 4
-        sessions = _children(up.pid)  # the restarted worker is a new session
+        sessions = children_of(up.pid)  # the restarted worker is a new session
         assert len(sessions) == 4
         os.kill(up.pid, signal.SIGKILL)  # no chance to clean up: the children must notice by themselves
         up.wait(timeout=10)
