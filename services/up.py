@@ -20,6 +20,7 @@ prints the URL and an example request, then supervises:
 from __future__ import annotations
 
 import os
+import queue
 import re
 import secrets
 import signal
@@ -55,6 +56,8 @@ class Child:
     process: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)  # when each restart happened
     restart_at: float | None = None  # scheduled restart, while it is down
+    ready: bool = False  # came up once: a READY line from now on is a restart's
+    lines: queue.Queue = field(default_factory=queue.Queue)  # this run's stdout until ready; None: it exited
 
 
 class Stack:
@@ -67,6 +70,7 @@ class Stack:
         self.env = {**os.environ, "LAZYSERVE_INTERNAL_TOKEN": self.token, **env}
         # Children hold the read end; only this process holds the write end.
         self._lifeline, self._lifeline_w = os.pipe()
+        self.program = [sys.executable, "-m", "services.cli"]  # a child runs PROGRAM COMMAND
 
     @property
     def processes(self) -> list[tuple[str, subprocess.Popen]]:
@@ -82,42 +86,49 @@ class Stack:
     def _spawn(self, child: Child) -> None:
         # Own session: Ctrl-C in the terminal reaches only `up`, which stops the children in order.
         child.process = subprocess.Popen(  # noqa: S603 -- this interpreter running our own CLI, no shell
-            [sys.executable, "-m", "services.cli", child.command],
+            [*self.program, child.command],
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
             pass_fds=(self._lifeline,),
             env={**self.env, **child.env, LIFELINE_ENV: str(self._lifeline)},
         )
+        child.lines = queue.Queue()
+        threading.Thread(target=self._read, args=(child, child.process, child.lines), daemon=True).start()
 
     def wait_ready(self, child: Child, kind: str, count: int, timeout: float) -> list[str]:
-        process = child.process
+        """The addresses in the child's first `count` READY lines, waited for until `timeout` even
+        while it prints nothing (a prefill worker whose actors Ray cannot place); an error if it
+        exits or the time runs out first. Later READY lines announce a restart."""
         addresses: list[str] = []
         deadline = time.monotonic() + timeout
-        for line in process.stdout:
+        while len(addresses) < count:
+            try:
+                line = child.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"{child.name} did not become ready in {timeout:.0f} s; see its log above") from None
+            if line is None:  # its stdout closed: it exited
+                try:
+                    code = child.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise RuntimeError(f"{child.name} exited ({code}) before it was ready; see its log above")
             match = re.match(rf"READY {kind} (\S+)", line)
             if match:
                 addresses.append(match.group(1))
-                if len(addresses) == count:
-                    break
-            if time.monotonic() > deadline:
-                break
-        if len(addresses) < count:
-            raise RuntimeError(f"{child.name} did not become ready (exit code {process.poll()}); see its log above")
-        self._drain(child)
+        child.ready = True
         return addresses
 
-    def _drain(self, child: Child, announce: bool = False) -> None:
-        """Keep reading a child's stdout so it never blocks on a full pipe; say when it is back."""
-        process = child.process
-
-        def drain():
-            for line in process.stdout:
-                if announce and line.startswith("READY"):
-                    console.print(f"[green]{child.name} is back: {line.strip()}")
-                    print(f"RESTARTED {child.name}", flush=True)
-
-        threading.Thread(target=drain, daemon=True).start()
+    def _read(self, child: Child, process: subprocess.Popen, lines: queue.Queue) -> None:
+        """Read a child's stdout as it comes, so it never blocks on a full pipe: lines for
+        wait_ready until it is ready; after that a READY line says it is back from a restart."""
+        for line in process.stdout:
+            if child.ready and line.startswith("READY"):
+                console.print(f"[green]{child.name} is back: {line.strip()}")
+                print(f"RESTARTED {child.name}", flush=True)
+            elif not child.ready:
+                lines.put(line)
+        lines.put(None)
 
     def supervise(self, stop: threading.Event, roll: threading.Event | None = None) -> int:
         """Restart children that die, until asked to stop (0) or restarts keep failing (1); a
@@ -133,8 +144,7 @@ class Stack:
                         child.restart_at = None
                         child.restarts.append(now)
                         console.print(f"[yellow]restarting {child.name} (restart {len(child.restarts)})")
-                        self._spawn(child)
-                        self._drain(child, announce=True)
+                        self._spawn(child)  # ready already: its READY line announces it
                     continue
                 code = child.process.poll()
                 if code is None:
@@ -166,11 +176,13 @@ class Stack:
             _signal_group(child.process, signal.SIGKILL)
             child.process.wait()
             drained = time.monotonic() - started
+            child.ready = False  # its READY line is this wait's, not a supervisor's restart
             self._spawn(child)
             try:
                 address = self.wait_ready(child, kind, 1, timeout)[0]
             except RuntimeError as error:
                 console.print(f"[red]rolling restart: {error}")
+                child.ready = True  # left to the supervisor, whose restart it will announce
                 continue
             console.print(f"[green]{child.name} is back on {address} (drained in {drained:.1f} s)")
             print(f"RESTARTED {child.name} drained_s={drained:.2f}", flush=True)
@@ -286,7 +298,7 @@ def up(values: dict[Option, object]) -> int:
         gateway_values[Option(GatewaySettings, "prefill_workers")] = prefill_addresses
         with console.status("starting the gateway"):
             child = stack.start("gateway", "gateway", gateway_values)
-            stack._drain(child, announce=True)
+            child.ready = True  # it prints no READY line: /ready says
             host = gateway.host
             shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # noqa: S104 -- a check, not a bind
             url = f"http://{shown}:{gateway.port}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import ray
 
@@ -142,9 +143,27 @@ def autogroup_niceness(pid: int | str = "self") -> int | None:
         return None
 
 
+# How long a local Ray head waits for its GCS to publish its port (Ray's default: 30 s). `up`
+# starts the prefill worker's head beside decode workers loading their models, on hosts of two
+# cores; 30 s was not always enough there. Set only for a head started here: a driver joining a
+# cluster reads the same variable as its count of connection retries (a refused one would retry
+# for as long).
+LOCAL_GCS_WAIT_S = "120"
+
+
 def ensure_ray(address: str | None = None, **init_kwargs) -> None:
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        return
+    local = address is None and not os.environ.get("RAY_ADDRESS")
+    key = "RAY_gcs_server_port_wait_time_s"
+    given = os.environ.get(key)
+    if local and given is None:
+        os.environ[key] = LOCAL_GCS_WAIT_S
+    try:
         ray.init(address=address, include_dashboard=False, **init_kwargs)
+    finally:
+        if local and given is None:
+            os.environ.pop(key, None)
 
 
 def launch_prefill_actors(settings: PrefillSettings, ray_address: str | None = None) -> list:
@@ -167,8 +186,32 @@ def launch_prefill_actors(settings: PrefillSettings, ray_address: str | None = N
         remote.remote(settings.model_copy(update={"port": settings.port and settings.port + i}).model_dump_json())
         for i in range(settings.num_actors)
     ]
-    ray.get([handle.address.remote() for handle in handles])
+    _wait_started([handle.address.remote() for handle in handles], _needs(settings))
     return handles
+
+
+def _needs(settings: PrefillSettings) -> str:
+    needs = f"num_cpus={settings.num_cpus}, num_gpus={settings.num_gpus}"
+    return needs + (f", prefill={settings.prefill_resource}" if settings.prefill_resource else "")
+
+
+def _wait_started(refs: list, needs: str, every_s: float = 30.0) -> None:
+    """Wait for every actor to serve, saying every `every_s` what is still awaited and what Ray
+    has free: an actor Ray cannot place (no node with the resources, a worker that cannot
+    start) waits without an error of its own, and on a cluster an autoscaler may yet add a node."""
+    started, pending = time.monotonic(), refs
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=every_s)
+        if pending:
+            log.warning(
+                "%d of %d prefill actors not serving after %.0f s (each needs %s; Ray has free: %s)",
+                len(pending),
+                len(refs),
+                time.monotonic() - started,
+                needs,
+                ray.available_resources(),
+            )
+    ray.get(refs)  # an actor that failed to start raises its error here
 
 
 def actor_addresses(handles: list, timeout_s: float = 120.0) -> list[str]:
