@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -65,38 +67,102 @@ def local_ray():
 
     from services.prefill.actor import ensure_ray
 
-    # A Ray head waits 30 s for its GCS to publish its port, which two cores busy with the other
-    # xdist worker's tests did not always give it: 120 s, for this start only (a driver reads the
-    # same variable as its count of connection retries: test_ray_cluster's refused drivers).
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_gcs_server_port_wait_time_s", "120")
-        ensure_ray(num_cpus=4, log_to_driver=False)
+    ensure_ray(num_cpus=4, log_to_driver=False)  # a local head: its GCS gets 120 s to start
     yield ray
     ray.shutdown()
 
 
+def _read_into(stream, lines: list[str]) -> None:
+    """Read a child's pipe as it comes (so the child never blocks on a full pipe)."""
+    threading.Thread(target=lambda: [lines.append(line) for line in stream], daemon=True).start()
+
+
+def said(lines: list[str], last: int = 60) -> str:
+    """The last lines a process wrote: what a test that fails on it shows."""
+    return "".join(lines[-last:])
+
+
 def start_process(args: list[str], ready: str, timeout: float = 120.0, env: dict | None = None, session: bool = False):
     """Start `lazyserve ARGS` and wait for its READY line; returns (process, the rest of that line).
+    If it exits or times out first, the error shows the end of its stderr.
 
     session: in its own session, so kill_sessions() can take down whatever it starts (Ray).
     """
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", *args],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **(env or {})},
         start_new_session=session,
     )
+    lines: list[str] = []
+    _read_into(process.stderr, lines)
     deadline = time.monotonic() + timeout
     for line in process.stdout:
         match = re.match(rf"READY {ready} (\S+)", line)
         if match:
+            threading.Thread(target=process.stdout.read, daemon=True).start()  # the rest, unread
             return process, match.group(1)
         if time.monotonic() > deadline:
             break
     process.kill()
-    raise RuntimeError(f"`lazyserve {' '.join(args)}` did not become ready")
+    command = " ".join(args)
+    raise RuntimeError(f"`lazyserve {command}` did not become ready (exit code {process.poll()}):\n{said(lines)}")
+
+
+class Up:
+    """`lazyserve up` in the background on free ports (--port, --decode-port, --prefill-port), with
+    these flags: its stdout lines (READY, RESTARTED, ROLLED), its console (stderr: up's messages
+    and every child's log, shown by a test that fails on it), the sessions of its children."""
+
+    def __init__(self, *flags: str, env: dict | None = None):
+        self.port, self.decode_port, self.prefill_port = free_port(), free_port(), free_port()
+        args = ["up", "--port", str(self.port), "--decode-port", str(self.decode_port)]
+        args += ["--prefill-port", str(self.prefill_port), *flags]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        self.console: list[str] = []
+        _read_into(self.process.stdout, self.lines)
+        _read_into(self.process.stderr, self.console)
+        self.sessions: set[int] = set()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Until it prints READY gateway; fails at once, with its console's end, if it exits first."""
+        ready = lambda: any(line.startswith("READY gateway") for line in self.lines)  # noqa: E731
+        wait_for(lambda: ready() or self.process.poll() is not None, timeout=timeout)
+        assert ready(), (
+            f"`lazyserve up` did not come up in {timeout:.0f} s (exit code {self.process.poll()}); "
+            f"stdout {self.lines}; the end of its console:\n{said(self.console)}"
+        )
+        self.sessions = children_of(self.process.pid)
+
+    def wait_line(self, line: str, timeout: float) -> bool:
+        """Until it prints a line that starts so."""
+        return wait_for(lambda: any(seen.startswith(line) for seen in self.lines), timeout=timeout)
+
+    def decode_pid(self, index: int) -> int:
+        return child_given(children_of(self.process.pid), "LAZYSERVE_DECODE_PORT", self.decode_port + index)
+
+    def stop(self) -> None:
+        """SIGINT (up stops its children in order), then whatever is left of their sessions."""
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        kill_sessions(self.sessions | children_of(self.process.pid))
 
 
 def free_port() -> int:
@@ -266,8 +332,6 @@ def session_members(sessions: set[int]) -> list[int]:
 
 
 def kill_sessions(sessions: set[int]) -> None:
-    import signal
-
     for pid in session_members(sessions):
         try:
             os.kill(pid, signal.SIGKILL)

@@ -8,14 +8,11 @@ import asyncio
 import json
 import math
 import re
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import pytest
-from conftest import child_given, free_port, kill_sessions, wait_for
+from conftest import Up, wait_for
 
 MESSAGES = [{"role": "user", "content": "Say something about rivers."}]
 
@@ -23,11 +20,6 @@ MESSAGES = [{"role": "user", "content": "Say something about rivers."}]
 def _rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(line) for line in out.split()]
 
 
 def quantile_from_histogram(text: str, name: str, q: float) -> float:
@@ -100,20 +92,11 @@ async def _received(client: httpx.AsyncClient, url: str) -> float:
 @pytest.mark.starts_ray
 @pytest.mark.slow
 def test_bursts_through_up_are_served_in_full_and_leave_nothing_behind():
-    port, decode_port, prefill_port = free_port(), free_port(), free_port()
-    args = ["up", "--model", "tiny-llama", "--threads", "1", "--port", str(port)]
-    args += ["--decode-port", str(decode_port), "--prefill-port", str(prefill_port)]
-    up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    lines: list[str] = []
-    threading.Thread(target=lambda: [lines.append(line) for line in up.stdout], daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    sessions: list[int] = []
+    up = Up("--model", "tiny-llama", "--threads", "1")
+    url = up.url
     try:
-        assert wait_for(lambda: any(line.startswith("READY gateway") for line in lines), timeout=240), lines
-        sessions = _children(up.pid)
-        decode_pid = child_given(sessions, "LAZYSERVE_DECODE_PORT", decode_port)
+        up.wait_ready(timeout=240)
+        decode_pid = up.decode_pid(0)
         rss = []
         for streams, wide, leaving in ((64, 2, 8), (128, 4, 8)):  # 96 and 192 sequences; the worker holds 64
             results = asyncio.run(_burst(url, streams, wide, leaving))
@@ -151,9 +134,4 @@ def test_bursts_through_up_are_served_in_full_and_leave_nothing_behind():
         # Every request counted ended once: served, or cancelled by the clients that left.
         assert outcomes == {"ok": 198.0, "cancelled": 16.0} and received == 214.0, (outcomes, received)
     finally:
-        up.terminate()
-        try:
-            up.wait(timeout=60)
-        finally:
-            up.kill()
-            kill_sessions(set(sessions))
+        up.stop()

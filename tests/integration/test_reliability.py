@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-from conftest import child_given, children_of, free_port, kill_sessions, session_members, wait_for
+from conftest import Up, session_members, wait_for
 
 from services.router.auth import add_key
 from shared.net.registry import connect
@@ -47,46 +45,18 @@ class Answer:
         return self.error is None and self.finish == "length" and self.streamed == self.usage == MAX_TOKENS
 
 
-class Up:
-    """`lazyserve up` in the background: its stdout lines, the sessions of its children."""
+class Stack(Up):
+    """`lazyserve up` (conftest.Up), --batch-invariant unless told otherwise."""
 
     def __init__(self, *flags: str, env: dict | None = None, invariant: bool = True):
-        self.port, self.decode_port = free_port(), free_port()
-        args = ["up", "--port", str(self.port), "--decode-port", str(self.decode_port)]
-        args += ["--prefill-port", str(free_port()), *(["--batch-invariant"] if invariant else []), *flags]
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: [self.lines.append(line) for line in self.process.stdout], daemon=True).start()
-        self.sessions: set[int] = set()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self) -> None:
-        assert wait_for(lambda: any(line.startswith("READY gateway") for line in self.lines), timeout=300), self.lines
-        self.sessions = children_of(self.process.pid)
+        super().__init__(*(["--batch-invariant"] if invariant else []), *flags, env=env)
 
     def client(self, api_key: str = "none") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=300)
 
-    def decode_pid(self, index: int) -> int:
-        return child_given(children_of(self.process.pid), "LAZYSERVE_DECODE_PORT", self.decode_port + index)
-
     def metric(self, name: str) -> float:
         body = httpx.get(f"{self.url}/metrics", timeout=10).text
         return sum(float(line.split()[-1]) for line in body.splitlines() if line.startswith(name))
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        kill_sessions(self.sessions | children_of(self.process.pid))
 
 
 def chat(client: openai.OpenAI, question: str, started: threading.Event | None = None) -> Answer:
@@ -168,7 +138,7 @@ def _failures(results: list[tuple[str, Answer]], reference: dict[str, str]) -> l
 
 @pytest.fixture
 def two_workers():
-    up = Up("--decode-workers", "2", "--drain-seconds", "2")
+    up = Stack("--decode-workers", "2", "--drain-seconds", "2")
     try:
         up.wait_ready()
         yield up
@@ -188,7 +158,7 @@ def test_killed_and_rolled_decode_workers_lose_no_stream(two_workers):
     assert [a.text for a in killed] == [reference[q] for q in QUESTIONS]
     migrated = up.metric('lazyserve_migrations_total{reason="failed"}')
     assert migrated >= 1
-    assert wait_for(lambda: any(line.startswith("RESTARTED decode-0") for line in up.lines), timeout=120)
+    assert up.wait_line("RESTARTED decode-0", timeout=120), up.lines
 
     # A rolling restart of both decode workers under a closed loop of 16 streams for 60 s.
     results = closed_loop(client, 16, 60, during=lambda: up.process.send_signal(signal.SIGHUP))
@@ -203,14 +173,14 @@ def test_killed_and_rolled_decode_workers_lose_no_stream(two_workers):
     )
 
 
-def _gap(up: Up) -> str:
+def _gap(up: Stack) -> str:
     count = up.metric("lazyserve_migration_gap_seconds_count")
     total = up.metric("lazyserve_migration_gap_seconds_sum")
     return f"mean {total / count:.2f} s over {count:.0f}" if count else "none"
 
 
 def test_one_decode_worker_restarting_and_a_killed_prefill_actor_lose_no_stream():
-    up = Up("--decode-workers", "1", "--local-threshold", "60")
+    up = Stack("--decode-workers", "1", "--local-threshold", "60")
     try:
         up.wait_ready()
         client = up.client()
@@ -241,7 +211,7 @@ def test_one_decode_worker_restarting_and_a_killed_prefill_actor_lose_no_stream(
         up.stop()
 
 
-def _prefill_actor(up: Up) -> int:
+def _prefill_actor(up: Stack) -> int:
     for pid in session_members(up.sessions):
         try:
             with open(f"/proc/{pid}/cmdline") as f:
@@ -254,7 +224,7 @@ def _prefill_actor(up: Up) -> int:
 
 def test_redis_stopped_for_20_s_under_8_streams_is_served_degraded(own_redis):
     add_key(connect(own_redis.url), "sk-app")
-    up = Up("--decode-workers", "2", env={"LAZYSERVE_REDIS_URL": own_redis.url})
+    up = Stack("--decode-workers", "2", env={"LAZYSERVE_REDIS_URL": own_redis.url})
     try:
         up.wait_ready()
         client = up.client("sk-app")

@@ -6,18 +6,14 @@ gateway, prefill actor on a local Ray, decode worker) through a real OTLP/gRPC r
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
-import time
 from concurrent import futures
 
 import grpc
 import httpx
 import pytest
-from conftest import free_port, session_members, wait_for
+from conftest import Up, session_members, wait_for
 from helpers import random_ids
 from opentelemetry import trace
 from opentelemetry.propagate import inject
@@ -132,56 +128,27 @@ def receiver():
     server.stop(0)
 
 
-def _children(pid: int) -> set[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return {int(line) for line in out.split()}
-
-
 @pytest.mark.starts_ray
 @pytest.mark.slow  # the whole stack under `lazyserve up`: `make test-slow` and CI run it
 def test_lazyserve_up_serves_traces_every_process_and_leaves_nothing(spans, receiver, tiny_llama):
     # spans: the SDK provider, so that the client root span below is real and has a trace id.
     servicer, endpoint = receiver
-    port = free_port()
     env = {
-        **os.environ,
         "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_INSECURE": "true",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--model",
-            "tiny-llama",
-            "--port",
-            str(port),
-            "--threads",
-            "1",
-            "--local-threshold",
-            "100",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    up = Up("--model", "tiny-llama", "--threads", "1", "--local-threshold", "100", env=env)
+    process = up.process
     try:
-        deadline = time.monotonic() + 180
-        for line in process.stdout:
-            if line.startswith("READY gateway") or time.monotonic() > deadline:
-                break
-        assert line.startswith("READY gateway"), "lazyserve up did not come up"
-        sessions = _children(process.pid)
+        up.wait_ready(timeout=180)
+        sessions = up.sessions
         assert len(sessions) == 3  # decode worker, prefill-worker (with its Ray), gateway
 
         import openai
 
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="none", max_retries=0)
         root = trace.get_tracer("test").start_span("client")
         long_prompt = " ".join(["tell me about the rainbow"] * 40)
         reply = client.chat.completions.with_raw_response.create(
