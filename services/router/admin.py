@@ -117,7 +117,7 @@ async def _workers_view(gateway: Gateway) -> list[dict]:
     tokens, cost, sequences, queued = await off_loop(
         lambda: tuple(workers.loads(kind) for kind in (DECODE_TOKENS, PREFILL_COST, SEQUENCES, PREFILL_QUEUED))
     )
-    rates = gateway.dispatcher.rates
+    rates = gateway.dispatcher.placement.rates
     answered = {entry["address"]: entry for entry in await decode_statuses(gateway, live, timeout=1.0)}
     view = []
     for w in live:

@@ -74,7 +74,7 @@ async def _handle(gateway: Gateway, request: Request, url: str, span):
     all_prepared = [dataclasses.replace(prepared, cache_salt=caller.salt) for prepared in all_prepared]
     annotate_request(span, all_prepared[0], gateway.text.spec.num_layers)
     try:
-        await off_loop(gateway.dispatcher.check_fits, all_prepared)  # 400 before any waiting
+        await off_loop(gateway.dispatcher.placement.check_fits, all_prepared)  # 400 before any waiting
     except RequestError:
         gateway.metrics.rejections.labels("too_large").inc()
         raise

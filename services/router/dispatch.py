@@ -2,9 +2,9 @@
 token, migrate after it.
 
 Each attempt is client.generate_on, the one client of the worker services. Before each, the
-request is placed: routed (the policy) to a decode worker with room for its choices, whose
-sequences it then holds (`SEQUENCES`) until the attempt ends; while no worker has room it waits in
-the gateway's admission queue. A worker that is full after all (RESOURCE_EXHAUSTED: its other
+request is placed (services.router.placement): routed to a decode worker with room for its
+choices, whose sequences it then holds (`SEQUENCES`) until the attempt ends; while no worker has
+room it waits in the gateway's admission queue. A worker that is full after all (RESOURCE_EXHAUSTED: its other
 clients, or a give-back still on its way) puts the request back in the queue; that is not a
 failure.
 
@@ -32,30 +32,24 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import context as otel_context
 
-from services.router.admission import AdmissionQueue, Full, in_background, off_loop
+from services.router.admission import AdmissionQueue, in_background, off_loop
 from services.router.client import Channels, Finished, Prefilled, Tokens, UpstreamError, WorkerFailed, generate_on
 from services.router.down import DownWorkers
-from services.router.drains import Drains
 from services.router.merge import merged
 from services.router.metrics import GatewayMetrics
 from services.router.migration import MIGRATED, Broken, Kept, Migrations
+from services.router.placement import Placement
 from services.router.policy import Decision, NoWorkerError
-from services.router.prefixes import PrefixIndex, prompt_keys
-from services.router.tracing import annotate_decision
-from services.router.workers import DECODE_TOKENS, PREFILL_COST, PREFILL_QUEUED, SEQUENCES, Workers
-from shared.api.serving import Prepared, RequestError
-from shared.contract.prefix import BLOCK_TOKENS, held_layers
+from services.router.prefixes import PrefixIndex
+from services.router.workers import DECODE_TOKENS, PREFILL_COST, PREFILL_QUEUED, Workers
+from shared.api.serving import Prepared
 from shared.models.text import TextModel
-from shared.net.telemetry import tracer
 from shared.net.transport import NO_AUTH, InternalAuth
 
 log = logging.getLogger(__name__)
 
 # Codes that say the request itself is wrong: retrying elsewhere would fail the same way.
 NOT_RETRIED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-# A worker with unknown capacity (a static address that has not answered Status yet) decides for
-# itself: placements there are counted but not bounded, and its refusal requeues the request.
-UNBOUNDED = 1 << 30
 # After a worker refused for want of room, the request waits this long (doubling) before its turn
 # comes again, so a worker that is fuller than the gateways count is not asked in a tight loop.
 FULL_BACKOFF_S = (0.05, 1.0)
@@ -121,124 +115,17 @@ class Dispatcher:
         migration_max_tokens: int = 4096,
         migration_wait_s: float = 60.0,
     ):
-        self.workers, self.policy, self.text, self.metrics, self.retries = workers, policy, text, metrics, retries
+        self.workers, self.policy, self.metrics, self.retries = workers, policy, metrics, retries
         self.migrations = Migrations(metrics, migration_limit, migration_max_tokens)
         self.migration_wait_s = migration_wait_s  # how long a continuation waits for a live worker
         self.queue = queue or AdmissionQueue(metrics, max_queued=1024)  # the gateway's, shared with its Admission
         self.channels = Channels(auth)
         self.down = DownWorkers(auth)  # workers a call found gone, until their health check answers
         self.attempt = attempt  # client.generate_on; the retry tests give a scripted one
-        self.prefixes = prefixes  # which worker holds which prompt start; None: no prefix caching
-        # Each worker's prefill rate as it last reported it (with a prefill's reply or first token),
-        # and how fast its queue drains as this gateway sees it: the route takes the lesser.
-        self.rates: dict[str, float] = {}
-        self.drains = Drains()
+        self.placement = Placement(workers, policy, text, metrics, self.queue, self.down, prefixes)
 
     async def close(self) -> None:
         await self.channels.close()
-
-    def keys(self, prepared: Prepared, ids: list[int] | None = None) -> list[bytes]:
-        spec = self.text.spec
-        return prompt_keys(ids or prepared.ids, self.text.name, prepared.pruning, spec.num_layers, prepared.cache_salt)
-
-    def choose(
-        self,
-        prepared: Prepared,
-        exclude: set[str],
-        parent: otel_context.Context | None = None,
-        keys: list[bytes] | None = None,
-    ) -> Decision:
-        """keys: the prompt's block keys (`keys`), when the gateway routes by cache."""
-        fraction = prepared.pruning.computed_fraction(self.text.spec.num_layers, len(prepared.ids))
-        with tracer.start_as_current_span("route", context=parent) as span:
-            matched = None
-            if self.prefixes is not None:
-                try:
-                    blocks = self.prefixes.matches(keys if keys is not None else self.keys(prepared))
-                except Exception as error:  # an index that cannot answer (Redis blip) routes by load
-                    log.warning("prefix index lookup failed: %s", error)
-                    blocks = {}
-                matched = {worker: count * BLOCK_TOKENS for worker, count in blocks.items()}
-                span.set_attribute("lazyserve.prefix_matched_tokens", max(matched.values(), default=0))
-            spec = self.text.spec
-            decision = self.policy.choose(
-                self.workers,
-                self.text.name,
-                len(prepared.ids),
-                fraction,
-                prepared.sampling.max_new_tokens,
-                exclude=exclude,
-                matched=matched,
-                shared=held_layers(prepared.pruning, spec.num_layers) / spec.num_layers,
-                rates=self.drains.rates(dict(self.rates)),
-            )
-            annotate_decision(span, decision, self.policy.name)
-        self.metrics.routing.labels(decision.kind, self.policy.name).inc()
-        log.debug(
-            "route %s: %s (prefill=%s decode=%s, predicted cost %.0f)",
-            decision.kind,
-            decision.reason,
-            decision.prefill and decision.prefill.address,
-            decision.decode.address,
-            decision.prefill_cost,
-        )
-        return decision
-
-    def check_fits(self, all_prepared: list[Prepared]) -> None:
-        """A 400 that names the numbers for a prompt whose choices no live decode worker could ever
-        hold at once (each prompt's choices run together on one worker), before any work."""
-        capacities = [self.workers.capacity(w) for w in self._decoders(set())]
-        if not capacities or None in capacities:  # a worker with unknown capacity decides for itself
-            return
-        largest = max(capacities)
-        for prepared in all_prepared:
-            if prepared.sampling.n > largest:
-                raise RequestError(
-                    400,
-                    f"n={prepared.sampling.n} needs {prepared.sampling.n} sequences on one decode worker at once; "
-                    f"the largest live decode worker generates at most {largest}",
-                    "n",
-                    "too_many_choices",
-                )
-
-    def _decoders(self, exclude: set[str]) -> list:
-        name = self.text.name
-        return [w for w in self.workers.list() if w.role == "decode" and w.model == name and w.worker_id not in exclude]
-
-    def place(
-        self, prepared: Prepared, exclude: set[str], parent: otel_context.Context | None, keys: list[bytes]
-    ) -> Decision:
-        """Route to a decode worker with room for the prompt's choices and take that room; Full when
-        none has it. Blocking (Redis): run off the event loop."""
-        seats = prepared.sampling.n
-        exclude = exclude | self.down.excluded()
-        decoders = self._decoders(exclude)
-        held = self.workers.loads(SEQUENCES)
-        capacity = {w.worker_id: self.workers.capacity(w) for w in decoders}
-        full = {
-            w.worker_id
-            for w in decoders
-            if capacity[w.worker_id] is not None and held.get(w.worker_id, 0) + seats > capacity[w.worker_id]
-        }
-        if decoders and len(full) == len(decoders):
-            room = ", ".join(
-                f"{w.address} holds {held.get(w.worker_id, 0):.0f} of {capacity[w.worker_id]}" for w in decoders
-            )
-            raise Full("workers", f"it needs {seats} sequences on one decode worker; {room}")
-        decision = self.choose(prepared, exclude | full, parent, keys)
-        worker = decision.decode
-        limit = capacity.get(worker.worker_id) or UNBOUNDED
-        if not self.workers.acquire(SEQUENCES, worker.worker_id, limit, seats):
-            raise Full("workers", f"another gateway took the room on {worker.address} first")
-        return decision
-
-    def _unplace(self, decision: Decision, seats: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Give a placement's sequences back (blocking: in a thread), then serve the queue."""
-        try:
-            self.workers.release(SEQUENCES, decision.decode.worker_id, seats)
-        finally:
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self.queue.wake)
 
     async def run(
         self,
@@ -284,14 +171,15 @@ class Dispatcher:
         finishes; retried before its first token, Broken after it."""
         tries, seats, loop = _Tries(self.retries, self.metrics), prepared.sampling.n, asyncio.get_running_loop()
         # Hashed once, off the event loop: every attempt's routing and the index record use them.
-        keys = await off_loop(self.keys, prepared) if self.prefixes is not None else []
+        placement = self.placement
+        keys = await off_loop(placement.keys, prepared) if placement.prefixes is not None else []
         patience = time.monotonic() + self.migration_wait_s  # a continuation's wait for a live worker
         while True:
             try:
                 decision = await self.queue.take(
                     caller,
-                    lambda: off_loop(self.place, prepared, tries.exclude, parent, keys),
-                    lambda placed: self._unplace(placed, seats),
+                    lambda: off_loop(placement.place, prepared, tries.exclude, parent, keys),
+                    lambda placed: placement.unplace(placed, seats),
                     deadline,
                 )
             except NoWorkerError:
@@ -313,7 +201,7 @@ class Dispatcher:
             prefilling = decision.prefill or decision.decode
             try:
                 yield decision  # for the gateway's trace and response headers; not a token
-                drain = self.drains.placed(prefilling.worker_id, decision.queued_ahead, decision.prefill_cost)
+                drain = placement.drains.placed(prefilling.worker_id, decision.queued_ahead, decision.prefill_cost)
                 added = queued = True  # before the call: a -1 that lands first still sums to nothing
                 placed = time.monotonic()
                 await off_loop(self._add_load, decision, +1)  # Redis: in a thread, never on the loop
@@ -322,7 +210,7 @@ class Dispatcher:
                     async for event in events:
                         if queued and isinstance(event, Tokens):  # prefilled: out of the queue
                             queued = False
-                            self.drains.prefilled(prefilling.worker_id, drain)
+                            placement.drains.prefilled(prefilling.worker_id, drain)
                             in_background(self._queue_load, decision, -1)
                             waited = time.monotonic() - placed
                             self.metrics.prefill_wait.labels(decision.kind, prefilling.address).observe(waited)
@@ -338,9 +226,9 @@ class Dispatcher:
                 if added:
                     in_background(self._add_load, decision, -1)
                 if queued:
-                    self.drains.prefilled(prefilling.worker_id, drain, observe=False)
+                    placement.drains.prefilled(prefilling.worker_id, drain, observe=False)
                     in_background(self._queue_load, decision, -1)
-                in_background(self._unplace, decision, seats, loop)
+                in_background(placement.unplace, decision, seats, loop)
 
     async def _attempt(self, decision: Decision, prepared: Prepared, request_id, deadline, parent, keys, generated):
         """One attempt on the placed workers: its Tokens and Finished (the prefill's figures noted)."""
@@ -364,40 +252,16 @@ class Dispatcher:
             prefilled = False
             async for event in events:
                 if isinstance(event, Prefilled):
-                    self._rated(decision.prefill, event.reply.prefill_rate)
+                    self.placement.rated(decision.prefill, event.reply.prefill_rate)
                     self.metrics.kv_bytes.inc(event.reply.bytes_sent)
-                    self._prefill_cache_figures(decision, event.reply)
+                    self.placement.cache_figures(decision, event.reply)
                     continue
                 if isinstance(event, Tokens) and event.index == 0 and event.stats is not None and not prefilled:
                     if decision.prefill is None:
-                        self._rated(decision.decode, event.prefill_rate)
-                    self._prefilled(decision, keys, event.stats)
+                        self.placement.rated(decision.decode, event.prefill_rate)
+                    self.placement.prefilled(decision, keys, event.stats)
                 prefilled = prefilled or isinstance(event, Tokens)
                 yield event
-
-    def _prefilled(self, decision: Decision, keys: list[bytes], stats) -> None:
-        """The prompt is prefilled: count what the cache gave, and note who holds the prompt now."""
-        prefiller = decision.prefill or decision.decode
-        self.metrics.prefix_queried.labels(prefiller.address).inc(stats.prompt_tokens)
-        self.metrics.prefix_hit.labels(prefiller.address).inc(stats.cached_tokens)
-        if self.prefixes is None:
-            return
-        # The decode worker caches a transferred prompt when it claims it, right after this.
-        holders = [decision.decode] if decision.prefill is None else [decision.prefill, decision.decode]
-        in_background(self._record, keys, holders)
-
-    def _record(self, keys: list[bytes], holders) -> None:
-        try:
-            for worker in holders:
-                self.prefixes.record(keys, worker.worker_id)
-        except Exception as error:  # the index is a hint: a failed record costs a later hit, nothing more
-            log.warning("prefix index record failed: %s", error)
-
-    def _prefill_cache_figures(self, decision: Decision, reply) -> None:
-        if decision.prefill is not None:
-            address = decision.prefill.address
-            self.metrics.prefix_bytes.labels(address).set(reply.prefix_bytes_held)
-            self.metrics.prefix_evictions.labels(address).set(reply.prefix_evictions)
 
     def _add_load(self, decision: Decision, sign: int) -> None:
         try:
@@ -414,7 +278,3 @@ class Dispatcher:
         worker = decision.prefill or decision.decode
         self.workers.add_load(PREFILL_QUEUED, worker.worker_id, sign * decision.prefill_cost)
         self.metrics.prefill_queued.labels(worker.address).inc(sign * decision.prefill_cost)
-
-    def _rated(self, worker, rate: float) -> None:
-        if worker is not None and rate > 0:
-            self.rates[worker.worker_id] = rate

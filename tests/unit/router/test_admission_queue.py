@@ -252,13 +252,13 @@ def test_a_failed_retry_with_no_worker_left_says_what_failed():
 
 def test_more_choices_than_any_worker_holds_is_400_before_any_work():
     dispatcher = _dispatcher(Held(), capacity=4, decoders=2)
-    dispatcher.check_fits([_prepared(n=4), _prepared(n=1)])
+    dispatcher.placement.check_fits([_prepared(n=4), _prepared(n=1)])
     with pytest.raises(RequestError) as refused:
-        dispatcher.check_fits([_prepared(n=1), _prepared(n=5)])
+        dispatcher.placement.check_fits([_prepared(n=1), _prepared(n=5)])
     assert refused.value.status_code == 400
     assert refused.value.message == (
         "n=5 needs 5 sequences on one decode worker at once; the largest live decode worker generates at most 4"
     )
     # Unknown capacity (a worker that has not answered): it decides for itself.
     unknown = _dispatcher(Held(), capacity=None)
-    unknown.check_fits([_prepared(n=16)])
+    unknown.placement.check_fits([_prepared(n=16)])

@@ -112,7 +112,7 @@ def test_a_prompt_is_in_its_workers_queue_until_its_first_token_and_the_rate_is_
     dispatcher, events = _dispatch(workers, attempt)
     assert attempt.queued_before == {"d0": 3.0}  # the prompt's predicted cost: 3 tokens, pruning off
     assert [e.ids for e in events if isinstance(e, Tokens)] == [[7], [8]]
-    assert dispatcher.rates == {"d0": 1234.0}
+    assert dispatcher.placement.rates == {"d0": 1234.0}
     assert not any(workers.loads(PREFILL_QUEUED).values())  # out at the first token, nothing left after
 
 
