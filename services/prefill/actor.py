@@ -145,9 +145,9 @@ def autogroup_niceness(pid: int | str = "self") -> int | None:
 
 # How long a local Ray head waits for its GCS to publish its port (Ray's default: 30 s). `up`
 # starts the prefill worker's head beside decode workers loading their models, on hosts of two
-# cores; 30 s was not always enough there. Set only for a head started here: a driver joining a
-# cluster reads the same variable as its count of connection retries (a refused one would retry
-# for as long).
+# cores; 30 s was not always enough there. Set only when no address is given (Ray then starts a
+# head here, unless a `ray start` on this host left one to join): a driver joining a cluster reads
+# the same variable as its count of connection retries (a refused one would retry for as long).
 LOCAL_GCS_WAIT_S = "120"
 
 

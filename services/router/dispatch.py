@@ -4,9 +4,9 @@ token, migrate after it.
 Each attempt is client.generate_on, the one client of the worker services. Before each, the
 request is placed (services.router.placement): routed to a decode worker with room for its
 choices, whose sequences it then holds (`SEQUENCES`) until the attempt ends; while no worker has
-room it waits in the gateway's admission queue. A worker that is full after all (RESOURCE_EXHAUSTED: its other
-clients, or a give-back still on its way) puts the request back in the queue; that is not a
-failure.
+room it waits in the gateway's admission queue. A worker that is full after all
+(RESOURCE_EXHAUSTED: its other clients, or a give-back still on its way) puts the request back in
+the queue; that is not a failure.
 
 Async (grpc.aio) so the gateway's event loop carries many streams. Yields the Decision, Tokens as
 they arrive and one Finished per choice. A failure before any token was yielded is retried once on
