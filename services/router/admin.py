@@ -94,6 +94,8 @@ async def status(caller: Caller = Authorized, gateway: Gateway = Held):
         },
         # Serving without Redis: the workers last seen and this gateway's own counts (fallback.py).
         "degraded": gateway.degraded,
+        # Where workers, shared counts and keys live: "redis" (--redis-url) or "memory" (this gateway's own).
+        "shared_state": "redis" if settings.redis_url else "memory",
         "in_flight": gateway.admission.in_flight,
         # Requests waiting for a worker's room or their key's bound (services.router.admission).
         "queue": {

@@ -141,7 +141,7 @@ def test_the_gateway_serves_degraded_while_redis_is_down_and_reconciles(own_redi
     assert [ask(known) for _ in range(4)] == [1] * 4
     served = time.monotonic() - started
     status = httpx.get(f"{running.url}/status", headers={"authorization": "Bearer sk-known"}).json()
-    assert status["degraded"] is True
+    assert (status["shared_state"], status["degraded"]) == ("redis", True)
     assert "lazyserve_degraded 1.0" in httpx.get(f"{running.url}/metrics").text
     # A key it never checked cannot be: a 503 that says so, not a 401 calling it bad.
     with pytest.raises(openai.InternalServerError) as error:

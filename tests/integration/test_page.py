@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import RunningGateway
+from conftest import RunningGateway, wait_for
 from playwright.sync_api import expect
 
 from services.router.page import WEB
@@ -325,9 +325,38 @@ def test_the_service_view_lists_the_workers_and_refreshes(page, stack):
     assert cards["in flight"] == "0" and cards["pruning preset"] == "default" and cards["prefix caching"] == "on"
     assert cards["queued"] == "0 of 1024" and cards["oldest queued"] == "–"
     assert cards["goodput (last minute)"] == "no targets set"
+    assert cards["shared state"] == "this gateway's memory"  # no --redis-url
     updated = page.locator("#service-updated").inner_text()
     expect(page.locator("#service-updated")).not_to_have_text(updated, timeout=10_000)  # polled again
     shot(page, "service")
+
+
+def test_the_service_view_says_when_redis_is_down_and_when_it_is_back(browser, stack, own_redis):
+    from services.router.workers import RedisWorkers
+    from shared.net.registry import Heartbeat, WorkerInfo
+
+    info = WorkerInfo(role="decode", address=stack.decode.address, model=MODEL)
+    heartbeat = Heartbeat(own_redis.url, info, ttl_s=2.0)
+    try:
+        assert wait_for(lambda: RedisWorkers(own_redis.url).list(), timeout=5)
+        gateway = stack(redis_url=own_redis.url)
+        page = open_page(browser, gateway.url)
+        page.wait_for_selector("body[data-ready=true]")
+        page.get_by_role("tab", name="Service").click()
+        state = page.locator("#service-figures div").filter(has_text="shared state").locator("dd")
+        expect(state).to_have_text("Redis")
+        expect(state).not_to_have_class(re.compile("bad"))
+        own_redis.stop()  # the next poll's /status finds Redis gone: the gateway serves degraded
+        expect(state).to_have_text("Redis down: degraded", timeout=15_000)
+        expect(state).to_have_class(re.compile("bad"))
+        shot(page.locator("#service-figures"), "service-degraded")
+        own_redis.start()
+        expect(state).to_have_text("Redis", timeout=15_000)
+        expect(state).not_to_have_class(re.compile("bad"))
+        assert page.errors == []
+        page.context.close()
+    finally:
+        heartbeat.stop()
 
 
 def test_bad_input_is_said_and_the_message_is_kept(page):

@@ -94,6 +94,7 @@ def test_the_status_endpoint_shows_the_last_minute_and_the_workers(running, tiny
     assert recent["requests"] == 3 and 0 < recent["ttft_p50_s"] <= recent["ttft_p95_s"]
     assert recent["tokens_per_s"] == pytest.approx(generated / recent["window_s"])
     assert status["in_flight"] == 0 and status["pruning_preset"] == "default"
+    assert (status["shared_state"], status["degraded"]) == ("memory", False)  # no --redis-url
     roles = sorted((w["role"], w["healthy"]) for w in status["workers"])
     assert roles == [("decode", True), ("prefill", None)]
     # A statically listed decode worker's dtype comes from its own Status answer.

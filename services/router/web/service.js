@@ -1,7 +1,7 @@
 // The service view: GET /status every few seconds while the view is shown (and the tab visible):
 // requests in flight and waiting in the admission queue, the last minute's TTFT p50/p95, ITL p50,
-// tokens/s and goodput (with service level targets set), the preset in force, and the workers with
-// their load, sequences, prefill queue and health.
+// tokens/s and goodput (with service level targets set), the preset in force, whether shared state
+// (Redis) answers, and the workers with their load, sequences, prefill queue and health.
 
 import { getJson } from "./api.js";
 import { $, figureList } from "./dom.js";
@@ -28,6 +28,13 @@ function prefillQueue(worker) {
   return parts.join(", ");
 }
 
+// Where shared state lives; while Redis does not answer the gateway serves degraded: on the
+// workers it last saw, with its own counts (services/router/fallback.py).
+function sharedState(status) {
+  if (status.shared_state !== "redis") return "this gateway's memory";
+  return status.degraded ? "Redis down: degraded" : "Redis";
+}
+
 function cell(row, text, className) {
   const td = document.createElement("td");
   td.textContent = text;
@@ -49,7 +56,10 @@ export function drawStatus(status) {
     ["goodput (last minute)", goodput(recent.goodput)],
     ["pruning preset", status.pruning_preset],
     ["prefix caching", status.prefix_caching ? "on" : "off"],
+    ["shared state", sharedState(status)],
   ]);
+  const state = $("service-figures").lastElementChild.querySelector("dd");
+  state.classList.toggle("bad", status.degraded);
   const rows = status.workers.map((worker) => {
     const row = document.createElement("tr");
     row.dataset.role = worker.role;
