@@ -325,7 +325,7 @@ def test_the_service_view_lists_the_workers_and_refreshes(page, stack):
     assert cards["in flight"] == "0" and cards["pruning preset"] == "default" and cards["prefix caching"] == "on"
     assert cards["queued"] == "0 of 1024" and cards["oldest queued"] == "–"
     assert cards["goodput (last minute)"] == "no targets set"
-    assert cards["shared state"] == "this gateway's memory"  # no --redis-url
+    assert cards["shared state"] == "no Redis"  # no --redis-url
     updated = page.locator("#service-updated").inner_text()
     expect(page.locator("#service-updated")).not_to_have_text(updated, timeout=10_000)  # polled again
     shot(page, "service")

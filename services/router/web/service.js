@@ -31,7 +31,7 @@ function prefillQueue(worker) {
 // Where shared state lives; while Redis does not answer the gateway serves degraded: on the
 // workers it last saw, with its own counts (services/router/fallback.py).
 function sharedState(status) {
-  if (status.shared_state !== "redis") return "this gateway's memory";
+  if (status.shared_state !== "redis") return "no Redis";
   return status.degraded ? "Redis down: degraded" : "Redis";
 }
 
