@@ -56,10 +56,8 @@ export function drawStatus(status) {
     ["goodput (last minute)", goodput(recent.goodput)],
     ["pruning preset", status.pruning_preset],
     ["prefix caching", status.prefix_caching ? "on" : "off"],
-    ["shared state", sharedState(status)],
+    ["shared state", sharedState(status), status.degraded ? "bad" : ""],
   ]);
-  const state = $("service-figures").lastElementChild.querySelector("dd");
-  state.classList.toggle("bad", status.degraded);
   const rows = status.workers.map((worker) => {
     const row = document.createElement("tr");
     row.dataset.role = worker.role;
