@@ -14,7 +14,7 @@ from shared import kernels
 from shared.contract.model import ModelSpec
 from shared.engine.family import FAMILIES
 from shared.engine.invariant import DECODE_TILE, PROMPT_TILE, check_decode_tile, check_row_counts
-from shared.engine.rows import row_steps
+from shared.engine.rows import packing_groups, row_steps
 
 
 class EngineModel:
@@ -46,6 +46,8 @@ class EngineModel:
         # batch invariance on (invariant.py), else None: one call of the rows.
         self.prompt_tile: int | None = None
         self.decode_tile: int | None = None
+        # The decode kernels' packed weights, made now so that no request pays it (0 on torch's path).
+        self.packed_bytes = kernels.prepack(packing_groups(self))
 
     @torch.inference_mode()
     def _rope_table(self, rotary_emb: nn.Module, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,13 +13,35 @@ import functools
 import torch
 
 from shared.engine.invariant import cancelling_rows, random_rows
-from shared.kernels import linear, rms_norm, silu_mul
+from shared.kernels import linear, linear_group, rms_norm, silu_mul
 
 
 def project(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A projection of the model's through the kernels' face (native for a decode step's few
     rows, torch's BLAS for a prompt's): module(x), computed where it is fastest."""
     return linear(x, module.weight, module.bias)
+
+
+def project_group(modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Projections of one input (q/k/v, gate and up) in one call where the native kernel runs them:
+    each output the same bits as `project`'s."""
+    return linear_group(x, tuple(m.weight for m in modules), tuple(m.bias for m in modules))
+
+
+def packing_groups(model) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]]:
+    """The (weights, biases) of every call the row steps make, grouped as they call them: what
+    kernels.prepack packs at load (model: EngineModel)."""
+    groups = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for modules in ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), _gate_up(mlp), (mlp.down_proj,)):
+            groups.append((tuple(m.weight for m in modules), tuple(m.bias for m in modules)))
+    groups.append(((model.lm_head.weight,), (model.lm_head.bias,)))
+    return groups
+
+
+def _gate_up(mlp) -> tuple[torch.nn.Linear, ...]:
+    return (mlp.gate_proj, mlp.up_proj)
 
 
 def norm(module, h: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +56,7 @@ def mlp_rows(mlp, x: torch.Tensor) -> torch.Tensor:
     """The gated MLP of every family here, down(act(gate(x)) * up(x)), as transformers' MLP
     modules compute it, with the projections through `project` (and SiLU x up fused where the
     activation is SiLU)."""
-    gate, up = project(mlp.gate_proj, x), project(mlp.up_proj, x)
+    gate, up = project_group(_gate_up(mlp), x)
     hidden = silu_mul(gate, up) if type(mlp.act_fn).__name__ in SILU else mlp.act_fn(gate) * up
     return project(mlp.down_proj, hidden)
 
@@ -47,7 +69,7 @@ def qkv_rows(layer, qk_norm: bool, spec, h: torch.Tensor):
     [rows, Hkv * D], q and k normed per head where the family norms them (spec: ModelSpec)."""
     attn = layer.self_attn
     x, _ = norm(layer.input_layernorm, h)
-    q, k, v = project(attn.q_proj, x), project(attn.k_proj, x), project(attn.v_proj, x)
+    q, k, v = project_group((attn.q_proj, attn.k_proj, attn.v_proj), x)
     if qk_norm:  # over each head's D
         rows = h.shape[0]
         q = attn.q_norm(q.view(rows, spec.num_heads, spec.head_dim)).view(rows, -1)

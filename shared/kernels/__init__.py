@@ -12,6 +12,10 @@ the thread count (each output is summed in one fixed order), so a decode step is
 by construction where it runs them (`invariant_rows`). Where a kernel does not beat torch's on a
 shape (bench/kernels.py measures both), `linear` leaves that shape to torch; docs/results.md has
 the figures.
+
+The linear reads its weights packed into panels (csrc/linear.inc), made once per weight (or group
+of weights that share an input: a layer's q/k/v, its gate and up) at load by `prepack`, or at the
+first native call: a second copy beside torch's [N, K] one, which the prompt path's BLAS reads.
 """
 
 from __future__ import annotations
@@ -29,16 +33,13 @@ from shared.kernels import build
 
 log = logging.getLogger(__name__)
 
-# Rows a call may have and still go to the native linear (the prompt path keeps the BLAS). At one
-# row the native kernel reads the weights at the read bandwidth in both dtypes (torch's bfloat16
-# reads at 0.5-0.65 of it, and its float32 did on the AVX2 EPYC of issue 47, though MKL's is at
-# the bandwidth on an AMX Xeon); at four rows it beat torch on every projection measured; at up to
-# 16 it still wins in float32 where the weights fit in 16 MiB, and in bfloat16 where the CPU has
-# no bfloat16 products (torch's bfloat16 there is slow); the BLAS wins the rest (bench kernels;
-# docs/results.md, issue 47).
+# Rows a call may have and still go to the native linear (the prompt path keeps the BLAS). The
+# packed micro-kernel reads one row's weights at the read bandwidth and, up to 16 rows, runs
+# float32 at or above the BLAS's rate on every projection (the LM head far above it); in bfloat16
+# it wins where the CPU has no bfloat16 products, and from a few rows on loses to those that have
+# them (AMX, AVX512-BF16). bench kernels measures both; docs/results.md has the figures.
 FEW_ROWS = 4
 SOME_ROWS = 16
-SMALL_WEIGHT_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,26 +148,99 @@ def invariant_rows(on: bool = True):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]): [..., N], as F.linear computes it."""
-    if not (native() and _native_rows(x, weight)):
-        return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.lazyserve.linear(rows.contiguous(), weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return linear_group(x, (weight,), (bias,))[0]
+
+
+def linear_group(
+    x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor, ...]:
+    """linear(x, w, b) for each (w, b) of one input (a layer's q/k/v, its gate and up): one call of
+    the native kernel over their panels packed side by side, where it runs. Each output is summed
+    alone in the kernel, so it is the same bits as its own call's. The weights share a dtype."""
+    if not (native() and _native_rows(x, weights[0])):
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    pack = _pack(weights, biases)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    out = torch.ops.lazyserve.linear(rows.contiguous(), pack.panels, pack.bias, pack.outputs)
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], pack.outputs)
+    return (out,) if len(weights) == 1 else out.split(pack.sizes, dim=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pack:
+    """Weights [N_i, K] (and biases) repacked for the native linear: panels [P, K, PANEL] of PANEL
+    outputs each (the group's outputs one after another, zeros past the last), as they were at
+    `versions`."""
+
+    panels: torch.Tensor
+    bias: torch.Tensor | None  # [sum N_i], zeros for a weight without one; None where none has one
+    sizes: tuple[int, ...]  # N_i of each weight
+    versions: tuple[int, ...]  # the tensors' _version when packed: an in-place change repacks
+
+    @property
+    def outputs(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+
+# A weight carries the packs of the groups it leads as an attribute (a dict by the ids of the
+# group's tensors): found in a getattr at every call, and dropped with the weight. The ids are safe
+# as keys because the entry lives only as long as its first weight, and a group's tensors belong to
+# one layer.
+PACKS = "_lazyserve_packs"
+
+
+def _pack(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]) -> Pack:
+    tensors = (*weights, *(b for b in biases if b is not None))
+    packs = getattr(weights[0], PACKS, None)
+    if packs is None:
+        packs = {}
+        setattr(weights[0], PACKS, packs)
+    key = tuple(map(id, tensors))
+    versions = tuple(0 if t.is_inference() else t._version for t in tensors)  # inference tensors keep none
+    pack = packs.get(key)
+    if pack is None or pack.versions != versions:
+        pack = packs[key] = _packed(weights, biases, versions)
+    return pack
+
+
+@torch.inference_mode(False)
+def _packed(weights, biases, versions: tuple[int, ...]) -> Pack:
+    width = int(torch.ops.lazyserve.panel_width())
+    stacked = torch.cat([w.detach() for w in weights])
+    n, k = stacked.shape
+    panels = -(-n // width)
+    padded = F.pad(stacked, (0, 0, 0, panels * width - n))  # [P * PANEL, K]
+    packed = padded.view(panels, width, k).transpose(1, 2).contiguous()  # [P, K, PANEL]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b.detach() for w, b in zip(weights, biases)])
+    return Pack(packed, bias, tuple(w.shape[0] for w in weights), versions)
+
+
+def prepack(groups: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]]) -> int:
+    """Pack each group of (weights, biases) now (a model's projections at load, so that no request
+    pays it), where the native path runs. Returns the bytes the packs hold."""
+    if not native():
+        return 0
+    return sum(_pack(weights, biases).nbytes for weights, biases in groups)
 
 
 def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dtype != weight.dtype:
         return False
-    if not weight.is_contiguous() or x.requires_grad:
+    if weight.dim() != 2 or x.requires_grad:
         return False
     rows = x.numel() // x.shape[-1]
     if getattr(_local, "invariant", False) or rows <= FEW_ROWS:
         return True
     if rows > SOME_ROWS:
         return False
-    if x.dtype == torch.bfloat16:
-        return not _bf16_matmul()
-    return weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES
+    return x.dtype == torch.float32 or not _bf16_matmul()
 
 
 def _row_work(x: torch.Tensor) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -55,35 +57,93 @@ def test_linear_equals_torchs_on_odd_shapes(dtype, rows, out_features, in_featur
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
-    _close(torch.ops.lazyserve.linear(x, weight, b), F.linear(x, weight, b), dtype)
+    with kernels.invariant_rows():
+        _close(kernels.linear(x, weight, b), F.linear(x, weight, b), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_row_is_the_same_bits_alone_and_in_calls_of_7_and_32(dtype):
+def _native_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    pack = kernels._pack((weight,), (None,))
+    return torch.ops.lazyserve.linear(x.contiguous(), pack.panels, None, weight.shape[0])
+
+
+@pytest.mark.parametrize("isa", ["host", "avx2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_a_row_is_the_same_bits_alone_and_in_calls_of_every_count_to_32(dtype, isa, tmp_path):
+    """Every row count from 1 to 32 (each remainder of the register tiles) and the threads; on this
+    host's region and, in a child process, on the AVX2 region (LAZYSERVE_KERNEL_ISA=avx2)."""
+    if isa == "avx2":
+        _in_avx2_child(
+            f"test_a_row_is_the_same_bits_alone_and_in_calls_of_every_count_to_32[{str(dtype).removeprefix('torch.')}-host]"
+        )
+        return
     generator = torch.Generator().manual_seed(7)
-    weight = torch.randn(200, 576, generator=generator).to(dtype)
+    weight = torch.randn(200, 576, generator=generator).to(dtype)  # 200: a last panel part full
     batch = torch.randn(32, 576, generator=generator).to(dtype)
-    alone = torch.ops.lazyserve.linear(batch[5:6].contiguous(), weight, None)
-    for rows in (batch[:7], batch):
-        assert torch.equal(torch.ops.lazyserve.linear(rows.contiguous(), weight, None)[5:6], alone)
+    full = _native_linear(batch, weight)
+    for rows in range(1, 33):
+        assert torch.equal(_native_linear(batch[:rows], weight), full[:rows]), rows
+    alone = _native_linear(batch[5:6], weight)
+    assert torch.equal(full[5:6], alone)
     # And whatever the threads: outputs are split between threads, never a sum.
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(torch.ops.lazyserve.linear(batch.contiguous(), weight, None)[5:6], alone)
+        assert torch.equal(_native_linear(batch, weight), full)
     finally:
         torch.set_num_threads(threads)
+
+
+def _in_avx2_child(test_id: str) -> None:
+    """Runs one test of this file in a child process held to the AVX2 region (a host without
+    AVX-512 runs that region anyway)."""
+    if torch.ops.lazyserve.isa() == "avx2":
+        pytest.skip("this host runs the AVX2 region already (the host case covers it)")
+    env = {**os.environ, "LAZYSERVE_KERNEL_ISA": "avx2"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    done = subprocess.run([*command, f"{__file__}::{test_id}"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_group_of_projections_is_the_same_bits_as_each_alone(dtype):
+    """q/k/v (or gate and up) packed side by side and called once: each output as its own call's,
+    biases where some have one."""
+    generator = torch.Generator().manual_seed(3)
+    weights = tuple(torch.randn(n, 96, generator=generator).to(dtype) for n in (72, 24, 30))
+    biases = (None, torch.randn(24, generator=generator).to(dtype), None)
+    x = torch.randn(5, 96, generator=generator).to(dtype)
+    with kernels.invariant_rows():
+        together = kernels.linear_group(x, weights, biases)
+        for w, b, got in zip(weights, biases, together):
+            assert torch.equal(got, kernels.linear(x, w, b))
+            _close(got, F.linear(x, w, b), dtype)
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    weight = torch.randn(48, 64)
+    x = torch.randn(2, 64)
+    with kernels.invariant_rows():
+        before = kernels.linear(x, weight)
+        weight.mul_(2)
+        _close(kernels.linear(x, weight), F.linear(x, weight), torch.float32)
+    assert not torch.allclose(before, kernels.linear(x, weight))
 
 
 def test_the_face_sends_few_rows_to_the_kernel_and_a_prompt_to_torch(monkeypatch):
     calls = []
     native_linear = torch.ops.lazyserve.linear
+    panel_width = torch.ops.lazyserve.panel_width
 
     class Ops:
         @staticmethod
         def linear(*args):
             calls.append(args[0].shape[0])
             return native_linear(*args)
+
+        @staticmethod
+        def panel_width():
+            return panel_width()
 
     monkeypatch.setattr(torch.ops, "lazyserve", Ops)
     weight = torch.randn(64, 576)
@@ -145,8 +205,11 @@ def test_a_rows_attention_does_not_depend_on_the_other_rows():
 
 
 def test_bad_shapes_are_refused_with_a_reason():
-    with pytest.raises(RuntimeError, match=r"x \[M, K\] and weight \[N, K\]"):
-        torch.ops.lazyserve.linear(torch.randn(2, 5), torch.randn(3, 6), None)
+    width = torch.ops.lazyserve.panel_width()
+    with pytest.raises(RuntimeError, match=r"x \[M, K\] and packed panels \[P, K, "):
+        torch.ops.lazyserve.linear(torch.randn(2, 5), torch.randn(1, 6, width), None, 3)
+    with pytest.raises(RuntimeError, match="do not fill"):
+        torch.ops.lazyserve.linear(torch.randn(2, 6), torch.randn(2, 6, width), None, 3)
     q, k, v, positions, sizes, row_slot, limits, _ = _attention_case(torch.float32, 2, 1, 2, 50, 64, 2)
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.lazyserve.decode_attention(q, k, v, positions, sizes, row_slot + 5, limits, None, 0, 0.125)
