@@ -227,7 +227,8 @@ def prepack(groups: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | No
     pays it), where the native path runs. Returns the bytes the packs hold."""
     if not native():
         return 0
-    return sum(_pack(weights, biases).nbytes for weights, biases in groups)
+    on_cpu = [(w, b) for w, b in groups if w[0].device.type == "cpu" and w[0].dtype in (torch.float32, torch.bfloat16)]
+    return sum(_pack(weights, biases).nbytes for weights, biases in on_cpu)
 
 
 def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
