@@ -6,7 +6,9 @@ run): `batched` steps every sequence in one `decode_batch`, `interleaved` has a 
 so sequences take turns exactly as the decode worker did before batching. `direct` is the batched
 steps called in a plain loop on the same thread, without the Scheduler: what a script gets, and
 what the served decode should come close to (batched / direct). The modes run side by side in
-each round after a warm-up; the table gives medians and the ratios.
+each round after a warm-up; the table gives medians and the ratios. The direct loop also gives the
+join apart: the first step of a sequence copies its whole K/V into the slots, which a short run
+would spread over its few tokens, so `steady` is the same loop's rate with the join timed alone.
 
 As in a decode worker, one ComputeThread loads the model and runs every torch op (the prefills,
 the copies, the Scheduler's rounds, the direct loop); the main thread only hands it work.
@@ -66,16 +68,21 @@ def _decodings(prefilled, config) -> list:
     return [Decoding(copy.deepcopy(cache), config, params, Generation()) for cache, _, params in prefilled]
 
 
-def _direct(model, prefilled, config) -> tuple[float, int]:
+def _direct(model, prefilled, config) -> tuple[float, float, float, int]:
     """The batched steps in a plain loop, on the calling thread, from a DecodeSlots as the
-    Scheduler's: aggregate tokens/s and revived token-layers."""
+    Scheduler's: aggregate tokens/s with the join of every sequence's K/V into the slots, the same
+    without it (the steady state), the join's seconds, and revived token-layers."""
     from shared.engine import DecodeSlots, decode_batch
 
     decodings = _decodings(prefilled, config)
     slots = DecodeSlots(model.spec, model.dtype, model.device)
     for decoding, (_, first, _) in zip(decodings, prefilled):
         decoding.accept(first)  # sampled by the prefill, as a transfer's first token: not counted
-    start, tokens = time.perf_counter(), 0
+    start = time.perf_counter()
+    for decoding in decodings:  # what the first step would do: once per sequence, not per step
+        slots.join(decoding.cache)
+    joined = time.perf_counter()
+    tokens = 0
     while running := [d for d in decodings if not d.done]:
         logits = decode_batch(model, [(d.cache, d.next_token, d.config) for d in running], slots)
         for decoding, row in zip(running, logits):
@@ -84,8 +91,9 @@ def _direct(model, prefilled, config) -> tuple[float, int]:
             if decoding.done:
                 decoding.close(model.spec.num_layers)
                 slots.leave(decoding.cache, keep=False)  # as the Scheduler retires one
-    rate = tokens / (time.perf_counter() - start)
-    return rate, sum(d.generation.stats.revived_token_layers for d in decodings)
+    end = time.perf_counter()
+    revived = sum(d.generation.stats.revived_token_layers for d in decodings)
+    return tokens / (end - start), tokens / (end - joined), joined - start, revived
 
 
 def _run(compute, model, prefilled, config, batch_size: int) -> tuple[float, int]:
@@ -123,8 +131,8 @@ def bench_throughput(
         for count in concurrency:
             subset = prefilled[:count]
             modes = {"batched": count, "interleaved": 1}
-            rates = {mode: [] for mode in [*modes, "direct"]}
-            revived = {}
+            rates = {mode: [] for mode in [*modes, "direct", "steady"]}
+            revived, joins = {}, []
             for batch_size in modes.values():  # warm-up
                 _run(compute, model, subset[:1], config, batch_size)
             compute.call(_direct, model, subset[:1], config)
@@ -132,9 +140,12 @@ def bench_throughput(
                 for mode, batch_size in modes.items():
                     rate, revived[mode] = _run(compute, model, subset, config, batch_size)
                     rates[mode].append(rate)
-                rate, revived["direct"] = compute.call(_direct, model, subset, config)
+                rate, steady, join_s, revived["direct"] = compute.call(_direct, model, subset, config)
                 rates["direct"].append(rate)
+                rates["steady"].append(steady)
+                joins.append(join_s)
             medians = {mode: statistics.median(r) for mode, r in rates.items()}
+            join_ms = statistics.median(joins) * 1e3
             # A batched step reads every weight once and every K/V row the sequences hold (as
             # prefilled; the few decoded rows are left out): its time can be no less.
             held = step_bytes(model, [cache for cache, _, _ in subset])
@@ -149,6 +160,7 @@ def bench_throughput(
                     "samples_tokens_per_s": rates,
                     "batched_over_interleaved": medians["batched"] / medians["interleaved"],
                     "batched_over_direct": medians["batched"] / medians["direct"],
+                    "join_ms": join_ms,
                     "revived_token_layers": revived,
                     "bytes_per_step": held,
                     "floor_ms": floor_s * 1e3,
@@ -157,7 +169,9 @@ def bench_throughput(
             )
             print(
                 f"{name} x{count}: batched {medians['batched']:.1f} tok/s, interleaved {medians['interleaved']:.1f}, "
-                f"direct {medians['direct']:.1f}; a batched step {step_s['batched'] / floor_s:.1f}x its floor",
+                f"direct {medians['direct']:.1f}, steady {medians['steady']:.1f} (join {join_ms:.0f} ms "
+                f"apart); a batched step {step_s['batched'] / floor_s:.1f}x its floor, a steady one "
+                f"{step_s['steady'] / floor_s:.1f}x",
                 flush=True,
             )
     return rows
@@ -257,9 +271,12 @@ def _print_dtype(run: dict) -> None:
                 "batched / interleaved",
                 "direct tok/s",
                 "batched / direct",
+                "steady tok/s",
+                "join ms",
                 "revived (batched)",
                 "floor ms",
                 "batched step / floor",
+                "steady step / floor",
             ],
             [
                 [
@@ -270,9 +287,12 @@ def _print_dtype(run: dict) -> None:
                     f"{r['batched_over_interleaved']:.2f}x",
                     f"{r['tokens_per_s']['direct']:.1f}",
                     f"{r['batched_over_direct']:.2f}x",
+                    f"{r['tokens_per_s']['steady']:.1f}",
+                    f"{r['join_ms']:.0f}",
                     r["revived_token_layers"]["batched"],
                     f"{r['floor_ms']:.1f}",
                     f"{r['step_over_floor']['batched']:.2f}x",
+                    f"{r['step_over_floor']['steady']:.2f}x",
                 ]
                 for r in run["throughput"]
             ],

@@ -21,8 +21,10 @@ def test_every_mode_decodes_the_same_work(tiny_llama):
         compute.close()
     assert [(r["pruning"], r["sequences"]) for r in rows] == [("off", 1), ("off", 3), ("lazy", 1), ("lazy", 3)]
     for row in rows:
-        assert set(row["tokens_per_s"]) == {"batched", "interleaved", "direct"}
+        assert set(row["tokens_per_s"]) == {"batched", "interleaved", "direct", "steady"}
         assert all(rate > 0 for rate in row["tokens_per_s"].values())
+        # The steady state is the direct loop without the join it timed apart: never slower.
+        assert row["join_ms"] > 0 and row["tokens_per_s"]["steady"] >= row["tokens_per_s"]["direct"]
         revived = row["revived_token_layers"]
         assert revived["batched"] == revived["interleaved"] == revived["direct"]
         # The floor: the weights once and the K/V the sequences hold, at the bandwidth given.
