@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +178,11 @@ class Pack:
     bias: torch.Tensor | None  # [sum N_i], zeros for a weight without one; None where none has one
     sizes: tuple[int, ...]  # N_i of each weight
     versions: tuple[int, ...]  # the tensors' _version when packed: an in-place change repacks
+    sources: tuple[weakref.ref, ...]  # the tensors packed: a key whose id another tensor took misses
+
+    def packs(self, tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> bool:
+        """Whether this is the pack of these very tensors as they are now."""
+        return self.versions == versions and all(ref() is t for ref, t in zip(self.sources, tensors))
 
     @property
     def outputs(self) -> int:
@@ -188,9 +194,9 @@ class Pack:
 
 
 # A weight carries the packs of the groups it leads as an attribute (a dict by the ids of the
-# group's tensors): found in a getattr at every call, and dropped with the weight. The ids are safe
-# as keys because the entry lives only as long as its first weight, and a group's tensors belong to
-# one layer.
+# group's tensors): found in a getattr at every call, and dropped with the weight. A hit is checked
+# against weak references to the tensors packed, so an id that a later tensor took (a copy of the
+# model carrying the attribute along) packs anew.
 PACKS = "_lazyserve_packs"
 
 
@@ -203,7 +209,7 @@ def _pack(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, 
     key = tuple(map(id, tensors))
     versions = tuple(0 if t.is_inference() else t._version for t in tensors)  # inference tensors keep none
     pack = packs.get(key)
-    if pack is None or pack.versions != versions:
+    if pack is None or not pack.packs(tensors, versions):
         pack = packs[key] = _packed(weights, biases, versions)
     return pack
 
@@ -219,7 +225,8 @@ def _packed(weights, biases, versions: tuple[int, ...]) -> Pack:
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b.detach() for w, b in zip(weights, biases)])
-    return Pack(packed, bias, tuple(w.shape[0] for w in weights), versions)
+    sources = tuple(weakref.ref(t) for t in (*weights, *(b for b in biases if b is not None)))
+    return Pack(packed, bias, tuple(w.shape[0] for w in weights), versions, sources)
 
 
 def prepack(groups: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]]) -> int:

@@ -130,6 +130,19 @@ def test_a_weight_changed_in_place_is_packed_again():
     assert not torch.allclose(before, kernels.linear(x, weight))
 
 
+def test_a_pack_is_used_only_for_the_tensors_it_packed():
+    """Packs are found by the ids of their tensors; an id that another tensor took later (a copy of
+    the model carrying the attribute along) must not find the old pack: here one weight's pack is
+    filed under another's id, as such a reuse would leave it."""
+    first, second = torch.randn(48, 64), torch.randn(48, 64)
+    x = torch.randn(2, 64)
+    with kernels.invariant_rows():
+        kernels.linear(x, first)
+        stale = next(iter(getattr(first, kernels.PACKS).values()))
+        setattr(second, kernels.PACKS, {(id(second),): stale})
+        _close(kernels.linear(x, second), F.linear(x, second), torch.float32)
+
+
 def test_the_face_sends_few_rows_to_the_kernel_and_a_prompt_to_torch(monkeypatch):
     calls = []
     native_linear = torch.ops.lazyserve.linear
