@@ -182,7 +182,8 @@ def _attention_case(dtype, slots, kv_heads, groups, capacity, dim, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("slots", "kv_heads", "groups", "capacity", "dim"), [(3, 3, 3, 700, 64), (2, 1, 4, 300, 256), (4, 2, 5, 33, 16)]
+    ("slots", "kv_heads", "groups", "capacity", "dim"),
+    [(3, 3, 3, 700, 64), (2, 1, 4, 300, 256), (2, 2, 8, 130, 128), (4, 2, 5, 33, 16)],
 )
 @pytest.mark.parametrize("selection", ["all", "live", "live in a window"])
 def test_decode_attention_reads_the_live_keys_as_torchs_masked_attention(
