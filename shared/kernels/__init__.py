@@ -211,12 +211,12 @@ def _pack(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, 
     versions = tuple(0 if t.is_inference() else t._version for t in tensors)  # inference tensors keep none
     pack = packs.get(key)
     if pack is None or not pack.packs(tensors, versions):
-        pack = packs[key] = _packed(weights, biases, versions)
+        pack = packs[key] = _packed(weights, biases, tensors, versions)
     return pack
 
 
 @torch.inference_mode(False)
-def _packed(weights, biases, versions: tuple[int, ...]) -> Pack:
+def _packed(weights, biases, tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> Pack:
     width = int(torch.ops.lazyserve.panel_width())
     stacked = torch.cat([w.detach() for w in weights])
     n, k = stacked.shape
@@ -226,7 +226,7 @@ def _packed(weights, biases, versions: tuple[int, ...]) -> Pack:
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b.detach() for w, b in zip(weights, biases)])
-    sources = tuple(weakref.ref(t) for t in (*weights, *(b for b in biases if b is not None)))
+    sources = tuple(weakref.ref(t) for t in tensors)
     return Pack(packed, bias, tuple(w.shape[0] for w in weights), versions, sources)
 
 
